@@ -1,0 +1,134 @@
+"""Step 01: process groups, ranks and collectives, the primitives DDP is built from.
+
+`torchrun --nproc-per-node N` starts N copies of this script. Each copy (a "rank") learns who
+it is from environment variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), joins
+a process group, and can then take part in collectives: operations that every rank calls
+together and that exchange tensors between them. DDP needs only two of them: a broadcast (copy
+rank 0's weights to everyone) and an all-reduce (sum every rank's gradients).
+
+Run it:
+    torchrun --standalone --nproc-per-node 2 01_torch_dist_allreduce.py   # CPU (gloo) or GPUs (nccl)
+    python 01_torch_dist_allreduce.py                                     # a world of one
+    torchrun --standalone --nproc-per-node 2 01_torch_dist_allreduce.py --bench  # bandwidth sweep
+
+Look for: each rank prints its tensor before and after each collective. Rank r starts with
+r + 1, so with N ranks you can check by hand: all_reduce(sum) gives N(N+1)/2 on every rank,
+the average (N+1)/2, broadcast gives rank 0's value everywhere, all_gather [1, 2, ..., N].
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import common
+
+
+def print_in_rank_order(rank: int, world_size: int, line: str) -> None:
+    """Ranks print one after another (a barrier between turns) so the output reads as a table."""
+    for turn in range(world_size):
+        if turn == rank:
+            print(line, flush=True)
+        dist.barrier()
+
+
+def show(rank, world_size, name, before, after):
+    fmt = lambda t: "[" + ", ".join(f"{v:g}" for v in t.tolist()) + "]"  # noqa: E731
+    print_in_rank_order(rank, world_size, f"rank {rank}/{world_size} {name:<16} "
+                                          f"before={fmt(before)} after={fmt(after)}")
+
+
+def demo_collectives(rank: int, world_size: int, device: torch.device) -> None:
+    mine = torch.tensor([rank + 1.0, 10.0 * (rank + 1)], device=device)
+
+    # all_reduce: every rank ends with the element-wise sum over all ranks, in place.
+    total = mine.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    show(rank, world_size, "all_reduce(sum)", mine, total)
+
+    # Averaging is how DDP combines gradients. NCCL has ReduceOp.AVG, gloo does not,
+    # so sum and divide: it works on both.
+    average = mine.clone()
+    dist.all_reduce(average, op=dist.ReduceOp.SUM)
+    average /= world_size
+    show(rank, world_size, "all_reduce(avg)", mine, average)
+
+    # broadcast: rank 0's tensor overwrites everyone's (how DDP makes the weights equal).
+    copy = mine.clone()
+    dist.broadcast(copy, src=0)
+    show(rank, world_size, "broadcast(src=0)", mine, copy)
+
+    # all_gather: every rank receives every rank's tensor, in rank order.
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    show(rank, world_size, "all_gather", mine, torch.cat(gathered))
+
+    # barrier: no rank passes until all have arrived (print_in_rank_order uses it too).
+    dist.barrier()
+
+
+def bench_all_reduce(rank: int, world_size: int, device: torch.device, max_mb: int) -> None:
+    """All-reduce time over message sizes, with bandwidths as nccl-tests define them.
+
+    algbw = bytes / time. busbw = algbw x 2(n-1)/n: a ring all-reduce sends and receives each
+    byte 2(n-1)/n times per rank, so busbw compares with the link's speed for any n.
+    """
+    if rank == 0:
+        print(f"\nall_reduce on {world_size} rank(s), {device.type}, backend "
+              f"{dist.get_backend()}\n{'bytes':>12} {'time (us)':>11} {'algbw GB/s':>11} "
+              f"{'busbw GB/s':>11}", flush=True)
+    size = 4096
+    while size <= max_mb * 2**20:
+        data = torch.ones(size // 4, dtype=torch.float32, device=device)
+        iterations = max(5, min(50, 2**27 // size))
+        for _ in range(2):  # warm-up: first calls set up connections and buffers
+            dist.all_reduce(data)
+        seconds = timed(lambda: [dist.all_reduce(data) for _ in range(iterations)], device)
+        # The slowest rank decides how long a collective takes.
+        slowest = torch.tensor([seconds / iterations], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        algbw = size / slowest.item() / 1e9
+        busbw = algbw * 2 * (world_size - 1) / world_size
+        if rank == 0:
+            print(f"{size:>12} {slowest.item() * 1e6:>11.1f} {algbw:>11.3f} {busbw:>11.3f}",
+                  flush=True)
+        size *= 4
+
+
+def timed(fn, device) -> float:
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--bench", action="store_true", help="time all_reduce over message sizes")
+    parser.add_argument("--max-mb", type=int, default=64, help="largest message in --bench (MiB)")
+    args = parser.parse_args()
+
+    # Who am I? torchrun's variables (or SLURM's, or a world of one under plain python).
+    rank, local_rank, world_size, local_world_size = common.launcher_ranks()
+    # One GPU per process, chosen by the rank on this node; NCCL for GPUs, gloo for CPUs.
+    device = common.choose_device(args.device, local_rank, local_world_size)
+    backend = common.backend_for(device)
+    # Join the group: blocks until all world_size ranks have arrived at MASTER_ADDR:MASTER_PORT.
+    common.init_process_group(backend, device, rank, world_size, timeout_s=120)
+    if rank == 0:
+        print(f"{world_size} rank(s), backend {backend}, device type {device.type}", flush=True)
+
+    demo_collectives(rank, world_size, device)
+    if args.bench:
+        bench_all_reduce(rank, world_size, device, args.max_mb)
+
+
+if __name__ == "__main__":
+    common.run_main(main)  # also destroys the process group at the end

@@ -1,0 +1,117 @@
+"""Shared test plumbing: small MNIST-format files, and launching steps as real processes.
+
+Every test here starts the tutorial's scripts the way a user does (plain python or torchrun)
+on the CPU with gloo. Each launch costs seconds (torch imports in ~3 s, a torchrun agent adds
+~4 s), so tests share runs through module-scoped fixtures wherever one run proves several things.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import common  # noqa: E402
+
+TRAIN_SAMPLES, TEST_SAMPLES = 1200, 299  # 299 is prime: it divides over no world size
+
+
+def write_idx(path: Path, data: torch.Tensor) -> None:
+    """MNIST's IDX format: big-endian magic (2051 images / 2049 labels), sizes, uint8 bytes."""
+    magic = 2051 if data.dim() == 3 else 2049
+    header = struct.pack(f">{1 + data.dim()}I", magic, *data.shape)
+    path.write_bytes(header + data.to(torch.uint8).numpy().tobytes())
+
+
+@pytest.fixture(scope="session")
+def mnist_root(tmp_path_factory) -> Path:
+    """A --data-dir holding small MNIST-format files that torchvision's MNIST class reads.
+
+    The pixels are synthetic digits (learnable, unlike noise): MNIST itself cannot be
+    downloaded on the test machines.
+    """
+    root = tmp_path_factory.mktemp("mnist")
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    train_images, train_labels = common.synthetic_digits(TRAIN_SAMPLES, seed=11)
+    test_images, test_labels = common.synthetic_digits(TEST_SAMPLES, seed=12)
+    write_idx(raw / "train-images-idx3-ubyte", train_images)
+    write_idx(raw / "train-labels-idx1-ubyte", train_labels)
+    write_idx(raw / "t10k-images-idx3-ubyte", test_images)
+    write_idx(raw / "t10k-labels-idx1-ubyte", test_labels)
+    return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compile_cache(tmp_path_factory):
+    """One inductor cache for the whole session: a second compile of the same graph is cheap."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+
+
+def base_env(**extra) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def launch(args: list[str], *, env=None, timeout=300, check=True,
+           cwd=REPO) -> subprocess.CompletedProcess:
+    """Run a command to completion; on an unexpected exit code show its output."""
+    proc = subprocess.run(args, cwd=cwd, env=env or base_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, args))} exited {proc.returncode}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def torchrun_cmd(nproc: int, *script_and_args, extra: tuple = ()) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", *extra, *map(str, script_and_args)]
+
+
+def run_step(script: str, args: list, *, nproc: int | None = None, probe_dir: Path | None = None,
+             env_extra: dict | None = None, check=True, timeout=300):
+    """Start a step like a user: plain python (nproc=None) or torchrun with nproc ranks.
+
+    With probe_dir, the step runs under tests/rank_probe.py, which saves each rank's final
+    parameters and the sample indices it fetched.
+    """
+    target = [script]
+    env = base_env(**(env_extra or {}))
+    if probe_dir is not None:
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        target = [str(REPO / "tests" / "rank_probe.py"), script]
+        env["PROBE_DIR"] = str(probe_dir)
+    args = [str(a) for a in args]
+    if nproc is None:
+        cmd = [sys.executable, *target, *args]
+    else:
+        cmd = torchrun_cmd(nproc, *target, *args)
+    return launch(cmd, env=env, check=check, timeout=timeout)
+
+
+def read_summary(out_dir: Path) -> dict:
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+def rank_params(probe_dir: Path, rank: int = 0) -> list[torch.Tensor]:
+    return torch.load(probe_dir / f"rank{rank}.pt", weights_only=True)["params"]
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b) and a, "parameter lists differ in length or are empty"
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def assert_no_traceback(proc: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]

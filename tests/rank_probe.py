@@ -1,0 +1,46 @@
+"""Run a step script unchanged, then save what each rank ended with, for the tests to compare.
+
+    torchrun ... tests/rank_probe.py 03_ddp_wrapper.py --epochs 1 ...   (PROBE_DIR=<folder>)
+
+Writes PROBE_DIR/rank<R>.pt = {"params": the parameters this rank's optimizer last stepped,
+"indices": {dataset size: [every index batch fetched from a dataset of that size]}}.
+It only observes: a global optimizer hook (a public PyTorch API) keeps a reference to the
+optimizer, and the training set's batch fetch is wrapped to note the indices it is asked for.
+"""
+
+import os
+import runpy
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+seen = {}
+fetched = defaultdict(list)
+register_optimizer_step_post_hook(lambda optimizer, args, kwargs: seen.update(opt=optimizer))
+
+original_getitems = common.Digits.__getitems__
+
+
+def recording_getitems(self, indices):
+    fetched[len(self)].append(list(indices))
+    return original_getitems(self, indices)
+
+
+common.Digits.__getitems__ = recording_getitems
+
+script, *script_args = sys.argv[1:]
+sys.argv = [script, *script_args]
+try:
+    runpy.run_path(script, run_name="__main__")
+finally:
+    rank = int(os.environ.get("RANK", 0))
+    params = [p.detach().cpu().clone() for group in seen["opt"].param_groups
+              for p in group["params"]] if "opt" in seen else []
+    torch.save({"params": params, "indices": dict(fetched)},
+               Path(os.environ["PROBE_DIR"]) / f"rank{rank}.pt")

@@ -1,0 +1,159 @@
+"""Issue 11: common.py, step 00 and step 01, run as real processes on the CPU."""
+
+import re
+
+import pytest
+import torch
+
+import common
+from conftest import (TRAIN_SAMPLES, assert_no_traceback, read_summary, run_step,
+                      torchrun_cmd, launch)
+
+SMALL = ["--train-samples", 512, "--test-samples", 200, "--batch-size", 64]
+
+
+# ---------------------------------------------------------------- step 00 on MNIST-format files
+def test_00_trains_on_mnist_files_through_torchvision(mnist_root, tmp_path):
+    out = tmp_path / "run"
+    run_step("00_single_gpu.py", ["--data", "mnist", "--data-dir", mnist_root, "--epochs", 2,
+                                  "--batch-size", 64, "--out-dir", out])
+    summary = read_summary(out)
+    for key in ["script", "world_size", "global_batch_size", "per_rank_batch_size", "epochs",
+                "train_loss", "test_loss", "test_accuracy", "test_samples", "samples_per_sec"]:
+        assert key in summary, key
+    assert summary["world_size"] == 1 and summary["epochs"] == 2
+    assert summary["test_samples"] == 299  # the whole test file, read by torchvision
+    assert summary["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
+    assert summary["train_losses"][1] < summary["train_losses"][0]
+
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert checkpoint["epoch"] == 2
+    assert set(checkpoint["model"]) == set(common.Net().state_dict())
+    assert {"optimizer", "scheduler", "rng"} <= set(checkpoint)
+    assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+# ---------------------------------------------------------------- seeding and synthetic digits
+@pytest.fixture(scope="module")
+def synthetic_runs(tmp_path_factory):
+    """Three short runs of step 00: auto falling back offline, explicit synthetic, other seed."""
+    root = tmp_path_factory.mktemp("synthetic")
+    empty_data_dir = root / "no-data"
+    runs = {}
+    for name, args in [("auto", ["--data", "auto", "--data-dir", empty_data_dir]),
+                       ("synthetic", ["--data", "synthetic"]),
+                       ("seed1", ["--data", "synthetic", "--seed", 1])]:
+        out = root / name
+        proc = run_step("00_single_gpu.py", [*args, *SMALL, "--train-samples", 2048,
+                                             "--epochs", 2, "--out-dir", out])
+        runs[name] = (proc, read_summary(out), torch.load(out / "checkpoint.pt",
+                                                          weights_only=True)["model"])
+    return runs
+
+
+def test_auto_falls_back_to_synthetic_digits_with_one_warning(synthetic_runs):
+    proc, _, _ = synthetic_runs["auto"]
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "synthetic" in warnings[0], proc.stdout
+
+
+def test_same_seed_gives_the_same_run(synthetic_runs):
+    _, auto, auto_weights = synthetic_runs["auto"]
+    _, synthetic, synthetic_weights = synthetic_runs["synthetic"]
+    _, other, other_weights = synthetic_runs["seed1"]
+    assert auto["train_losses"] == synthetic["train_losses"]  # exactly, not approximately
+    assert auto["test_loss"] == synthetic["test_loss"]
+    assert all(torch.equal(auto_weights[k], synthetic_weights[k]) for k in auto_weights)
+    # ...and the comparison can fail: another seed gives another run.
+    assert other["train_losses"] != synthetic["train_losses"]
+    assert not torch.equal(other_weights["fc2.weight"], synthetic_weights["fc2.weight"])
+
+
+def test_synthetic_digits_are_learnable(synthetic_runs):
+    _, summary, _ = synthetic_runs["synthetic"]
+    assert summary["test_accuracy"] > 0.6, summary  # chance is 0.1
+
+
+def test_synthetic_digits_are_deterministic_and_balanced():
+    images, labels = common.synthetic_digits(2000, seed=3)
+    again, again_labels = common.synthetic_digits(2000, seed=3)
+    assert images.dtype == torch.uint8 and images.shape == (2000, 28, 28)
+    assert torch.equal(images, again) and torch.equal(labels, again_labels)
+    assert not torch.equal(images, common.synthetic_digits(2000, seed=4)[0])
+    counts = torch.bincount(labels, minlength=10)
+    assert counts.min() > 120, counts  # about 200 each
+
+
+def test_mnist_required_but_missing_fails_clearly(tmp_path):
+    proc = run_step("00_single_gpu.py", ["--data", "mnist", "--data-dir", tmp_path / "nowhere",
+                                         "--out-dir", tmp_path / "out"], check=False)
+    assert proc.returncode == 2
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: MNIST not found"), proc.stderr
+    assert str(tmp_path / "nowhere" / "MNIST" / "raw") in errors[0]
+    assert_no_traceback(proc)
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+# ---------------------------------------------------------------- batch plan
+def test_batch_plan_splits_the_global_batch():
+    plan = common.plan_batches(256, 4, None)
+    assert (plan.per_rank, plan.micro_batch, plan.accumulation_steps) == (64, 64, 1)
+    plan = common.plan_batches(96, 2, 20)  # 48 per rank, at most 20 at once -> 3 x 16
+    assert (plan.per_rank, plan.micro_batch, plan.accumulation_steps) == (48, 16, 3)
+    plan = common.plan_batches(14, 2, 3)  # 7 per rank is prime: 7 micro-batches of 1
+    assert (plan.micro_batch, plan.accumulation_steps) == (1, 7)
+
+
+@pytest.mark.parametrize("batch, world", [(100, 3), (2, 4)])
+def test_batch_plan_rejects_a_batch_that_does_not_divide(batch, world):
+    with pytest.raises(common.UserError, match="does not divide"):
+        common.plan_batches(batch, world, None)
+
+
+# ---------------------------------------------------------------- step 01: collectives
+LINE = re.compile(r"rank (\d+)/(\d+) (\S+)\s+before=\[([^\]]*)\] after=\[([^\]]*)\]")
+
+
+def parse_collectives(stdout: str) -> dict:
+    values = {}
+    for rank, world, name, before, after in LINE.findall(stdout):
+        values[(int(rank), name)] = ([float(v) for v in before.split(",")],
+                                     [float(v) for v in after.split(",")])
+    return values
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_01_collectives_give_values_checkable_by_hand(world):
+    if world == 1:  # plain python: a world of one, no launcher
+        proc = run_step("01_torch_dist_allreduce.py", [])
+    else:
+        proc = run_step("01_torch_dist_allreduce.py", [], nproc=world)
+    values = parse_collectives(proc.stdout)
+    assert len(values) == 4 * world, proc.stdout
+    total = world * (world + 1) / 2  # ranks hold 1, 2, ..., world
+    for rank in range(world):
+        mine = [rank + 1.0, 10.0 * (rank + 1)]
+        assert values[(rank, "all_reduce(sum)")] == (mine, [total, 10 * total])
+        assert values[(rank, "all_reduce(avg)")] == (mine, [total / world, 10 * total / world])
+        assert values[(rank, "broadcast(src=0)")] == (mine, [1.0, 10.0])
+        everyone = [v for r in range(world) for v in (r + 1.0, 10.0 * (r + 1))]
+        assert values[(rank, "all_gather")] == (mine, everyone)
+
+
+def test_01_bench_reports_bus_bandwidth_as_nccl_tests_define_it():
+    proc = launch(torchrun_cmd(2, "01_torch_dist_allreduce.py", "--bench", "--max-mb", 1))
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", proc.stdout, re.M)
+    assert [int(r[0]) for r in rows] == [4096, 16384, 65536, 262144, 1048576], proc.stdout
+    for size, micros, algbw, busbw in rows:
+        assert float(algbw) == pytest.approx(int(size) / (float(micros) * 1e-6) / 1e9, rel=0.02,
+                                             abs=2e-3)
+        assert float(busbw) == pytest.approx(float(algbw) * 2 * (2 - 1) / 2, abs=2e-3)
+
+
+def test_training_set_prefix_is_checked(mnist_root, tmp_path):
+    proc = run_step("00_single_gpu.py", ["--data", "mnist", "--data-dir", mnist_root,
+                                         "--train-samples", TRAIN_SAMPLES + 1,
+                                         "--out-dir", tmp_path], check=False)
+    assert proc.returncode == 2 and "has 1200" in proc.stderr, proc.stderr
+    assert_no_traceback(proc)
