@@ -409,6 +409,8 @@ def load_datasets(args, run: Run, download: bool) -> tuple[Digits, Digits]:
         if args.data == "auto" and run.is_main:
             print(f"warning: MNIST not in {mnist_dir} and not downloadable; using built-in "
                   f"synthetic digits (--data synthetic to silence this)", flush=True)
+        from synthetic_digits import synthetic_digits
+
         train = Digits(*synthetic_digits(args.train_samples or 60_000, seed=1))
         test = Digits(*synthetic_digits(args.test_samples or 10_000, seed=2))
     return _prefix(train, args.train_samples), _prefix(test, args.test_samples)
@@ -473,14 +475,6 @@ def read_mnist(data_dir: Path) -> tuple[Digits, Digits]:
             raise UserError(f"MNIST files in {data_dir} hold {tuple(split.data.shape)} "
                             f"{split.data.dtype} images, expected N x 28 x 28 uint8")
     return Digits(train.data, train.targets), Digits(test.data, test.targets)
-
-
-def synthetic_digits(count, seed):  # TEMPORARY placeholder
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 10, (count,), generator=g)
-    templates = (torch.rand(10, 28, 28, generator=torch.Generator().manual_seed(0)) > 0.7).float()
-    images = templates[labels] * 200 + torch.rand(count, 28, 28, generator=g) * 120
-    return images.clamp(0, 255).to(torch.uint8), labels
 
 
 def make_loader(dataset: Dataset, batch_size: int, run: Run, args, seed: int, **kwargs):

@@ -20,6 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
+from synthetic_digits import synthetic_digits  # noqa: E402
 
 TRAIN_SAMPLES, TEST_SAMPLES = 1200, 299  # 299 is prime: it divides over no world size
 
@@ -41,8 +42,8 @@ def mnist_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mnist")
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
-    train_images, train_labels = common.synthetic_digits(TRAIN_SAMPLES, seed=11)
-    test_images, test_labels = common.synthetic_digits(TEST_SAMPLES, seed=12)
+    train_images, train_labels = synthetic_digits(TRAIN_SAMPLES, seed=11)
+    test_images, test_labels = synthetic_digits(TEST_SAMPLES, seed=12)
     write_idx(raw / "train-images-idx3-ubyte", train_images)
     write_idx(raw / "train-labels-idx1-ubyte", train_labels)
     write_idx(raw / "t10k-images-idx3-ubyte", test_images)

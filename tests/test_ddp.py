@@ -12,7 +12,12 @@ from conftest import (TEST_SAMPLES, max_difference, rank_params, read_summary, r
 
 TRAIN = 480  # divides by the global batch (48) and by 1, 2 and 3 ranks: no sampler padding
 COMMON = ["--data", "mnist", "--train-samples", TRAIN, "--batch-size", 48]
-TIGHT = 1e-5  # float32 sums in another order (all-reduce vs one process) differ by ~1e-7
+TIGHT = 1e-5  # 02 vs 03: the same sums in the same order (measured: bit-identical)
+# N ranks vs one process: float32 gradient sums in another order differ by ~1e-7 per step, and
+# ten momentum-SGD steps amplify that; measured 0.8e-5 (2 ranks) and 1.4e-5 (3 ranks) while
+# training moved the weights by 0.08. A real sync bug (a missing average, a rank left out)
+# differs by more than 1e-3.
+ORDER = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +68,18 @@ def test_every_rank_ends_with_identical_weights(runs, name, ranks):
 @pytest.mark.parametrize("name", ["two_ranks", "three_ranks"])
 def test_n_ranks_equal_one_process_with_the_same_global_batch(runs, name):
     baseline = rank_params(runs["one_process"]["probe"])
-    assert max_difference(baseline, rank_params(runs[name]["probe"])) < TIGHT
+    assert max_difference(baseline, rank_params(runs[name]["probe"])) < ORDER
     assert runs[name]["summary"]["per_rank_batch_size"] == 48 // (2 if name == "two_ranks" else 3)
     # The comparison could fail: training moved the weights far beyond the tolerance.
     initial = list(common.build_model(SimpleNamespace(dropout=False), seed=0).parameters())
-    assert max_difference(baseline, [p.detach() for p in initial]) > 1000 * TIGHT
+    assert max_difference(baseline, [p.detach() for p in initial]) > 1000 * ORDER / 2
 
 
 def test_accumulating_micro_batches_equals_one_big_batch(runs):
     summary = runs["accumulate"]["summary"]
     assert (summary["micro_batch_size"], summary["accumulation_steps"]) == (8, 3)
     assert max_difference(rank_params(runs["accumulate"]["probe"]),
-                          rank_params(runs["two_ranks"]["probe"])) < TIGHT
+                          rank_params(runs["two_ranks"]["probe"])) < ORDER
 
 
 def test_two_epochs_equal_one_epoch_plus_resume(runs):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+from synthetic_digits import synthetic_digits
 from conftest import (TRAIN_SAMPLES, assert_no_traceback, read_summary, run_step,
                       torchrun_cmd, launch)
 
@@ -75,11 +76,11 @@ def test_synthetic_digits_are_learnable(synthetic_runs):
 
 
 def test_synthetic_digits_are_deterministic_and_balanced():
-    images, labels = common.synthetic_digits(2000, seed=3)
-    again, again_labels = common.synthetic_digits(2000, seed=3)
+    images, labels = synthetic_digits(2000, seed=3)
+    again, again_labels = synthetic_digits(2000, seed=3)
     assert images.dtype == torch.uint8 and images.shape == (2000, 28, 28)
     assert torch.equal(images, again) and torch.equal(labels, again_labels)
-    assert not torch.equal(images, common.synthetic_digits(2000, seed=4)[0])
+    assert not torch.equal(images, synthetic_digits(2000, seed=4)[0])
     counts = torch.bincount(labels, minlength=10)
     assert counts.min() > 120, counts  # about 200 each
 
