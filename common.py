@@ -726,32 +726,10 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Profiling: a few scheduled steps per rank, one trace each, readable in TensorBoard/Perfetto.
+# Profiling lives in profiling.py; the steps call it through here like everything else.
 # --------------------------------------------------------------------------------------------
 def profiler(args, run: Run):
-    """`torch.profiler` over a few training steps when --profile is given, else a no-op.
+    """--profile: trace a few training steps per rank (see profiling.py); else a no-op."""
+    from profiling import profiler as make_profiler  # imported on use: most runs never profile
 
-    Step 1 is skipped (one-off start-up costs) and step 2 warms the profiler up; steps 3-5
-    are recorded. Call `.step()` after every optimizer step.
-    """
-    if not args.profile:
-        return _NoProfiler()
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
-    activities = [ProfilerActivity.CPU]
-    if run.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    return profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                   on_trace_ready=tensorboard_trace_handler(str(args.out_dir / "profile"),
-                                                            worker_name=f"rank{run.rank}"))
-
-
-class _NoProfiler:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def step(self):
-        pass
+    return make_profiler(args, run)
