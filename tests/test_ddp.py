@@ -33,6 +33,7 @@ def runs(mnist_root, tmp_path_factory):
         "three_ranks": ("03_ddp_wrapper.py", 3, ["--epochs", 1, "--no-dropout"]),
         "accumulate": ("03_ddp_wrapper.py", 2, ["--epochs", 1, "--no-dropout",
                                                 "--max-device-batch", 8]),
+        "compiled": ("04_ddp_compile.py", 2, ["--epochs", 1, "--no-dropout"]),
     }
     result = {}
     for name, (script, nproc, extra) in plan.items():
@@ -91,6 +92,25 @@ def test_two_epochs_equal_one_epoch_plus_resume(runs):
     checkpoint = torch.load(runs["03_resumed"]["out"] / "checkpoint.pt", weights_only=True)
     assert checkpoint["epoch"] == 2
     assert not any(key.startswith(("module.", "_orig_mod.")) for key in checkpoint["model"])
+
+
+# ---------------------------------------------------------------- torch.compile (step 04)
+def test_compiled_ddp_learns_like_eager_ddp(runs):
+    """Dropout off: compiled and eager dropout draw different masks. Fused kernels add in
+    another order, so the weights agree to float32 rounding amplified over ten steps."""
+    compiled = runs["compiled"]
+    assert max_difference(rank_params(compiled["probe"]),
+                          rank_params(runs["two_ranks"]["probe"])) < ORDER
+    assert compiled["summary"]["first_step_seconds"] > 0  # the compile, reported on its own
+
+
+def test_compiled_checkpoint_loads_into_the_plain_model(runs):
+    state = torch.load(runs["compiled"]["out"] / "checkpoint.pt", weights_only=True)["model"]
+    assert not any(key.startswith(("module.", "_orig_mod.")) for key in state)
+    model = common.build_model(SimpleNamespace(dropout=False), seed=1)
+    model.load_state_dict(state)  # strict: every key matches the eager model's
+    assert max_difference([p.detach() for p in model.parameters()],
+                          rank_params(runs["compiled"]["probe"])) == 0.0
 
 
 # ---------------------------------------------------------------- sampler
