@@ -51,8 +51,11 @@ def run_main(main) -> None:
     """Run a script's `main()`, then tear the process group down.
 
     A `UserError` becomes one line on stderr (from rank 0 only, so N ranks do not print it N
-    times) and exit code 2. Tear-down happens after `main()` has returned, when its models are
-    gone: destroying a gloo group while a DDP model still holds it has been seen to abort.
+    times) and exit code 2. A collective that fails because a peer died or stalled becomes one
+    line from the rank that noticed, naming the likely cause, and exit code 3: without the
+    timeout (--timeout) such a rank would wait forever. Tear-down happens after `main()` has
+    returned, when its models are gone: destroying a gloo group while a DDP model still holds
+    it has been seen to abort.
     """
     code = 0
     try:
@@ -61,12 +64,39 @@ def run_main(main) -> None:
         if _launcher_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         code = 2
+    except RuntimeError as err:
+        explanation = explain_collective_failure(err)
+        if explanation is None:
+            raise
+        print(f"error: rank {_launcher_rank()}: {explanation}", file=sys.stderr, flush=True)
+        code = 3
     finally:
         gc.collect()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if dist.is_available() and dist.is_initialized() and code != 3:
+            dist.destroy_process_group()  # (a broken group cannot be torn down cleanly)
     if code:
         sys.exit(code)
+
+
+def explain_collective_failure(err: RuntimeError) -> str | None:
+    """A one-line reason for a collective that failed because of a peer, else None.
+
+    gloo and NCCL report these as RuntimeErrors with transport-level messages ("Connection
+    reset by peer", "Timed out waiting 600000ms ..."); what the user needs is which peer-side
+    problem that means and where to look.
+    """
+    message = str(err)
+    first_line = message.strip().splitlines()[0] if message.strip() else type(err).__name__
+    detail = first_line.split("] ", 1)[-1][:160]  # drop gloo's "[/path/to/file.cc:123]"
+    if "timed out" in message.lower() or "timeout" in message.lower():
+        return (f"a collective timed out ({detail}): another rank stalled or died without "
+                f"closing its connections; check the other ranks' output, or raise --timeout "
+                f"if some ranks legitimately take longer (e.g. a slow first step)")
+    if any(marker in message for marker in ("Connection reset", "Connection closed",
+                                            "Connection refused", "Broken pipe", "NCCL error")):
+        return (f"lost contact with a peer during a collective ({detail}): another rank "
+                f"crashed or was killed; its own output above says why")
+    return None
 
 
 class _Parser(argparse.ArgumentParser):

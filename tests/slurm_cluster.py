@@ -16,6 +16,12 @@ What it runs (all as root, all state under the given folder, one fresh cluster p
   cluster started at the same time (slurm.conf points at the socket through AuthInfo);
 - slurmctld and two slurmd ("n1", "n2") on this host. Both slurmd use NodeAddr=127.0.0.1: the node
   names do not resolve, as they would not on a cluster whose names differ from its hosts' names.
+- Job ids start at a random number (FirstJobId), so that two test clusters on one host do not
+  derive the same rendezvous port and id from the same job id.
+- Each node declares `cpus_per_node` CPUs, which may be more than the host has
+  (SlurmdParameters=config_overrides keeps such a node in service): several small test jobs can
+  then run side by side. Nothing is bound to cores here (TaskPlugin=task/none), so the number
+  only changes what the scheduler hands out, and what SLURM_CPUS_* say inside a job.
 
 Jobs inherit the submitter's environment (sbatch's default --export=ALL). cluster.env() puts
 SLURM_CONF in it, and the bin folder of the Python running the tests first on PATH, so `torchrun`
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import shutil
 import signal
 import socket
@@ -71,10 +78,13 @@ def ensure_apt_packages(packages, probe):
     if not shutil.which("apt-get"):
         raise SlurmUnavailable(f"{probe} is not installed and there is no apt-get")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
     try:
-        _run(["apt-get", "update"], timeout=300, env=env)
-        _run(["apt-get", "install", "-y", "--no-install-recommends", *packages],
-             timeout=600, env=env)
+        # Package lists that are there already save an `apt-get update`; a fresh image has none,
+        # and then the install fails at once ("Unable to locate package").
+        if _run(install, timeout=600, env=env, check=False).returncode != 0:
+            _run(["apt-get", "update"], timeout=300, env=env)
+            _run(install, timeout=600, env=env)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         raise SlurmUnavailable(f"apt-get install {' '.join(packages)} failed: {exc}") from exc
 
@@ -211,6 +221,10 @@ class SlurmCluster:
         self.conf.write_text(f"""\
 # Written by tests/slurm_cluster.py: two nodes on one host, everything under {r}
 ClusterName=ddptest
+# Job ids from a random start: the scripts derive rendezvous ports and ids from the job id, and two
+# test clusters on one host must not both run a job 1 (20000 + 1..12000 also stays below the
+# kernel's ephemeral ports, 32768 and up).
+FirstJobId={random.randint(1, 12000)}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmUser=root
@@ -228,6 +242,8 @@ SlurmdLogFile={r}/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # No cgroups in these containers: track processes by parent PID, do not bind tasks.
+# config_overrides: trust CPUs= below even where the host has fewer (see the module docstring).
+SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -278,8 +294,11 @@ PartitionName=debug Nodes={','.join(self.NODES)} Default=YES MaxTime=INFINITE St
         raise SlurmUnavailable(f"nodes not idle after {timeout}s: {out!r}\n{self.logs()}")
 
     def stop(self):
-        """Stop every daemon this cluster started (by PID) and wait for them to exit."""
-        # slurmd first: its job steps die with it (proctrack/linuxproc), then slurmctld, then munged.
+        """Cancel this cluster's jobs, stop its daemons (by PID), then end whatever they left."""
+        ctld = self.procs.get("slurmctld")
+        if ctld is not None and ctld.poll() is None:
+            self._cancel_jobs()
+        # slurmd, then slurmctld, then munged (the others authenticate through it).
         order = [k for k in self.procs if k.startswith("slurmd")] + ["slurmctld", "munged"]
         for name in order:
             proc = self.procs.get(name)
@@ -289,30 +308,49 @@ PartitionName=debug Nodes={','.join(self.NODES)} Default=YES MaxTime=INFINITE St
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                # The daemon runs in its own session: kill the whole group (slurmstepd too).
+                # The daemon runs in its own session: kill the whole group.
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 proc.wait(timeout=10)
-        self._kill_leftover_steps()
+        self._kill_leftovers()
         self.procs.clear()
         if self.munge_dir is not None:
             shutil.rmtree(self.munge_dir, ignore_errors=True)
             self.munge_dir = None
 
-    def _kill_leftover_steps(self):
-        """slurmstepd (one per running job step) outlives slurmd; end ours, found by conf path."""
+    def _cancel_jobs(self, timeout=15):
+        """scancel every job still queued or running here, and wait until SLURM has ended them."""
+        try:
+            ids = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+            if not ids:
+                return
+            self.run("scancel", *ids, check=False)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if not self.run("squeue", "-h", "-o", "%i", check=False).stdout.split():
+                    return
+                time.sleep(0.25)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # _kill_leftovers still ends the processes
+
+    def _kill_leftovers(self):
+        """SIGKILL every process that still runs with this cluster's SLURM_CONF in its environment.
+
+        Those are slurmstepd (it outlives slurmd) and the jobs' own processes (sbatch passes the
+        submitter's environment on, SLURM_CONF included): all started by this cluster, none by
+        anything else.
+        """
+        marker = f"SLURM_CONF={self.conf}\0".encode()
         for pid_dir in Path("/proc").iterdir():
-            if not pid_dir.name.isdigit():
+            if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
                 continue
             try:
-                cmdline = (pid_dir / "cmdline").read_bytes().split(b"\0")
                 environ = (pid_dir / "environ").read_bytes()
             except OSError:
                 continue
-            if (cmdline and cmdline[0].endswith(b"slurmstepd")
-                    and f"SLURM_CONF={self.conf}".encode() in environ):
+            if marker in environ:
                 try:
                     os.kill(int(pid_dir.name), signal.SIGKILL)
                 except ProcessLookupError:

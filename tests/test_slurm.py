@@ -1,14 +1,17 @@
 """The SLURM templates in slurm/, checked statically and run on a real two-node SLURM cluster.
 
 The cluster (tests/slurm_cluster.py) runs slurmctld and two slurmd, "n1" and "n2", on this
-machine, 2 CPUs each. Every job runs tests/slurm_standin.py, which all-reduces ones over gloo and
-writes one JSON report per rank; the tests read those reports.
+machine; it is installed with apt when missing, and the tests skip (saying why) where that cannot
+work. The jobs run the tutorial's own steps on tiny synthetic data, the way a user submits them
+(`sbatch slurm/multinode.sh 05_multinode.py ...` from the repository root). All of them are
+submitted at once and run side by side; each test then waits for its own job and reads the job's
+log and summary.json.
 """
 
 import json
 import re
-import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,9 +23,13 @@ except ImportError:  # tests/ made a package
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "slurm").glob("*.sh"))
-STANDIN = "tests/slurm_standin.py"  # relative: jobs run in the repository root, as users do
-# Variables from the caller's shell that would change what the scripts compute.
-CLEAN = {"NPROC_PER_NODE": None, "OMP_NUM_THREADS": None}
+TINY = ["--data", "synthetic", "--train-samples", "480", "--test-samples", "100",
+        "--batch-size", "48", "--epochs", "1"]
+# Variables from the caller's shell that would change what the scripts or the steps do.
+CLEAN = {key: None for key in ["NPROC_PER_NODE", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE",
+                               "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]}
+# Several jobs share two cores: generous, but a hang still fails well before the time limit.
+JOB_TIMEOUT = 240
 
 
 # ----------------------------------------------------------------------------- static checks
@@ -39,81 +46,159 @@ def test_shellcheck():
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_sbatch_header(script):
     """#SBATCH lines are read only before the first command, and "# SBATCH" is never one."""
-    lines = script.read_text().splitlines()
+    text = script.read_text()
+    lines = text.splitlines()
     assert lines[0] == "#!/bin/bash"
     first_command = next(i for i, line in enumerate(lines)
                          if line.strip() and not line.lstrip().startswith("#"))
+    assert lines[first_command] == "set -euo pipefail"
     assert not any(line.startswith("#SBATCH") for line in lines[first_command:])
     assert not any(re.match(r"#\s+SBATCH\b", line) for line in lines)
-    assert "set -euo pipefail" in lines
     header = [line for line in lines[:first_command] if line.startswith("#SBATCH")]
+    # One task per node: that task is the node's one torchrun agent.
     tasks = [line for line in header if "--ntasks" in line]
     assert tasks in (["#SBATCH --ntasks-per-node=1"], ["#SBATCH --ntasks=1"]), tasks
+    assert any(line.startswith("#SBATCH --output=") and "%j" in line for line in header)
+    # srun does not inherit --cpus-per-task since SLURM 22.05; threads follow the cores.
+    assert 'export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK' in text
+    assert "export OMP_NUM_THREADS=" in text
+    assert "srun --kill-on-bad-exit=1 torchrun" in text
+    if script.name != "singlenode.sh":
+        for flag in ['--nnodes "$SLURM_NNODES"', "--rdzv-backend c10d",
+                     '--rdzv-id "$SLURM_JOB_ID"', '--rdzv-endpoint "$HEAD_ADDR:$PORT"']:
+            assert flag in text, flag
+    if script.name != "check.sh":
+        # Off until step 07 turns it on; the cluster variations stay commented out too.
+        assert "##SBATCH --signal=B:USR2@120" in lines[:first_command]
+        for variation in ["##SBATCH --account=", "##SBATCH --partition=",
+                          "##SBATCH --gpus-per-node=", "# module load", "$SLURM_TMPDIR/env"]:
+            assert variation in text, variation
 
 
 # ----------------------------------------------------------------------------- on the cluster
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
+    """One cluster for the module. 10 CPUs declared per node: all the jobs below fit at once."""
     try:
-        cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm-cluster"))
+        cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm-cluster"), cpus_per_node=10)
     except SlurmUnavailable as exc:
         pytest.skip(f"SLURM test cluster unavailable: {exc}")
     yield cluster
     cluster.stop()
 
 
-def run_job(cluster, tmp_path, script, env_extra=None, timeout=90):
-    """sbatch SCRIPT tests/slurm_standin.py --out-dir DIR; returns (job info, reports, log)."""
-    out_dir = tmp_path / "ranks"
-    job_id = cluster.sbatch(
-        [f"--output={tmp_path}/%x-%j.out", script, STANDIN, "--out-dir", out_dir],
-        cwd=REPO, env_extra={**CLEAN, **(env_extra or {})},
-    )
-    info = cluster.wait(job_id, timeout=timeout)
-    log_path = tmp_path / f"{info['JobName']}-{job_id}.out"
-    log = log_path.read_text() if log_path.exists() else "(no log)"
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (
-        f"{info}\n--- job log\n{log}\n--- daemons\n{cluster.logs()}")
-    reports = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
-    return info, reports, log
+@dataclass
+class Job:
+    cluster: SlurmCluster
+    id: int
+    folder: Path  # the job's log is <folder>/job.out, the step's --out-dir <folder>/out
+
+    def finish(self):
+        """Wait until the job has ended; returns (scontrol's fields, the job's log)."""
+        info = self.cluster.wait(self.id, timeout=JOB_TIMEOUT)
+        log_path = self.folder / "job.out"
+        return info, (log_path.read_text() if log_path.exists() else "(no log)")
+
+    def completed(self):
+        """The log of a job that must have COMPLETED with exit code 0."""
+        info, log = self.finish()
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (
+            f"{info}\n--- job log\n{log}\n--- daemons\n{self.cluster.logs()}")
+        return info, log
+
+    def summary(self):
+        return json.loads((self.folder / "out" / "summary.json").read_text())
 
 
-def test_singlenode(slurm, tmp_path):
-    info, reports, log = run_job(slurm, tmp_path, "slurm/singlenode.sh")
-    assert info["NodeList"] in ("n1", "n2")
-    # Default without GPUs: 2 CPU processes, each with the 2 cores / 2 processes = 1 thread.
-    assert sorted(r["rank"] for r in reports) == [0, 1], log
-    assert {(r["world_size"], r["sum"]) for r in reports} == {(2, 2.0)}
-    assert {r["SLURMD_NODENAME"] for r in reports} == {info["NodeList"]}
-    assert {r["env"]["OMP_NUM_THREADS"] for r in reports} == {"1"}
-    assert {r["env"]["SLURM_STEP_TASKS_PER_NODE"] for r in reports} == {"1"}  # one torchrun
+@pytest.fixture(scope="module")
+def jobs(slurm, tmp_path_factory):
+    """Submit every job now, so that they run side by side; each test waits for its own."""
+    root = tmp_path_factory.mktemp("slurm-jobs")
+
+    def submit(name, sbatch_args, step_args=(), **env):
+        folder = root / name
+        folder.mkdir()
+        out = ["--out-dir", str(folder / "out")] if step_args else []
+        job_id = slurm.sbatch([f"--output={folder}/job.out", *sbatch_args, *step_args, *out],
+                              cwd=REPO, env_extra={**CLEAN, **env})
+        return Job(slurm, job_id, folder)
+
+    return {
+        # (a) Two nodes, one torchrun each, one CPU worker each: world size 2.
+        "multinode": submit("multinode", ["--nodes=2", "slurm/multinode.sh"],
+                            ["05_multinode.py", "--no-compile", *TINY], NPROC_PER_NODE=1),
+        # (b) One node, the default of 2 CPU workers.
+        "singlenode": submit("singlenode", ["slurm/singlenode.sh"],
+                             ["03_ddp_wrapper.py", *TINY]),
+        # (c) srun without torchrun, 2 tasks on each of 2 nodes: common.launcher_ranks()
+        #     turns SLURM's variables into ranks, and finds the first node's address itself.
+        "srun": submit("srun", ["--nodes=2", "--ntasks-per-node=2", "--wrap",
+                                "srun python 05_multinode.py --no-compile "
+                                + " ".join(TINY) + f" --out-dir {root / 'srun' / 'out'}"]),
+        # (d) The sanity check, 2 workers per node: 4 ranks over 2 nodes.
+        "check": submit("check", ["slurm/check.sh"], NPROC_PER_NODE=2),
+        # (e) A step that fails on every rank (no MNIST there): the job must end, FAILED.
+        "fails": submit("fails", ["--nodes=2", "slurm/multinode.sh"],
+                        ["05_multinode.py", "--no-compile", "--data", "mnist",
+                         "--data-dir", "/nonexistent", "--epochs", "1"], NPROC_PER_NODE=1),
+    }
 
 
-def test_multinode(slurm, tmp_path):
-    # One CPU process per node keeps this fast on two cores: world size 2 across 2 SLURM nodes.
-    info, reports, log = run_job(slurm, tmp_path, "slurm/multinode.sh",
-                                 env_extra={"NPROC_PER_NODE": 1})
+def topology(log):
+    """05_multinode.py's "[node N host] rank R/W local rank L on DEV" lines as (N, R, W, L)."""
+    return sorted(
+        (int(node), int(rank), int(world), int(local))
+        for node, rank, world, local in re.findall(
+            r"^\[node (\d+) \S+\] rank (\d+)/(\d+) local rank (\d+) on \S+$", log, re.M))
+
+
+def test_multinode(jobs):
+    info, log = jobs["multinode"].completed()
     assert info["NodeList"] == "n[1-2]"
-    assert sorted(r["rank"] for r in reports) == [0, 1], log
-    assert {(r["world_size"], r["sum"]) for r in reports} == {(2, 2.0)}
-    assert sorted(r["SLURMD_NODENAME"] for r in reports) == ["n1", "n2"]
-    # One torchrun agent per node, started by one srun task per node.
-    assert {r["env"]["SLURM_STEP_TASKS_PER_NODE"] for r in reports} == {"1(x2)"}
-    assert sorted(r["env"]["SLURM_PROCID"] for r in reports) == ["0", "1"]
+    summary = jobs["multinode"].summary()
+    assert (summary["world_size"], summary["nodes"]) == (2, 2), summary
+    # One line per rank, each on its own node: two agents met and numbered the nodes 0 and 1.
+    assert topology(log) == [(0, 0, 2, 0), (1, 1, 2, 0)], log
     # The node names do not resolve here: the endpoint must be n1's NodeAddr, not "n1".
     assert re.search(r"rendezvous at 127\.0\.0\.1:\d+", log), log
-    # srun passed the job's 2 cores on to torchrun; 2 cores / 1 process = 2 threads.
-    assert {r["env"]["SRUN_CPUS_PER_TASK"] for r in reports} == {"2"}
-    assert {r["env"]["OMP_NUM_THREADS"] for r in reports} == {"2"}
+    # The job's 2 cores per node, for 1 worker per node: 2 threads each.
+    assert "OMP_NUM_THREADS=2" in log and "threads/rank=2" in log, log
 
 
-def test_check(slurm, tmp_path):
-    info, reports, log = run_job(slurm, tmp_path, "slurm/check.sh",
-                                 env_extra={"NPROC_PER_NODE": 1})
+def test_singlenode(jobs):
+    info, log = jobs["singlenode"].completed()
+    assert info["NodeList"] in ("n1", "n2")
+    summary = jobs["singlenode"].summary()
+    assert summary["world_size"] == 2, summary
+    # The default without GPUs: 2 CPU workers sharing the job's 2 cores, 1 thread each.
+    assert "x 2 workers, OMP_NUM_THREADS=1" in log and "threads/rank=1" in log, log
+
+
+def test_srun_without_torchrun(jobs):
+    info, log = jobs["srun"].completed()
     assert info["NodeList"] == "n[1-2]"
-    assert {(r["world_size"], r["sum"]) for r in reports} == {(2, 2.0)}
-    assert sorted(r["SLURMD_NODENAME"] for r in reports) == ["n1", "n2"]
-    # The per-node lines: both node names, and torch imported on both.
-    assert re.search(r"^0: n1$", log, re.M) and re.search(r"^1: n2$", log, re.M), log
-    assert len(re.findall(r"^\d: torch \S+ cuda ", log, re.M)) == 2, log
-    assert "--- check passed" in log
+    summary = jobs["srun"].summary()
+    assert (summary["world_size"], summary["nodes"]) == (4, 2), summary
+    # SLURM_PROCID -> rank, SLURM_LOCALID -> local rank, SLURM_NODEID -> node.
+    assert topology(log) == [(0, 0, 4, 0), (0, 1, 4, 1), (1, 2, 4, 0), (1, 3, 4, 1)], log
+
+
+def test_check(jobs):
+    info, log = jobs["check"].completed()
+    assert info["NodeList"] == "n[1-2]"
+    # One line per node from the srun --label step: its SLURM name, host, cores and torch.
+    nodes = re.findall(r"^(\d): (n\d) \S+ cpus \d+ torch \S+ cuda (?:True|False) \d+", log, re.M)
+    assert sorted(nodes) == [("0", "n1"), ("1", "n2")], log
+    # Every one of the 2 x 2 ranks took part in the all-reduce: 1 + 2 + 3 + 4 = 10.
+    ranks = re.findall(r"^rank (\d)/4 all_reduce\(sum\) .* after=\[10, 100\]$", log, re.M)
+    assert sorted(ranks) == ["0", "1", "2", "3"], log
+    assert log.rstrip().endswith("--- check passed"), log
+
+
+def test_failing_step_fails_the_job(jobs):
+    info, log = jobs["fails"].finish()  # it ends at all: no rank is left waiting for the others
+    assert info["JobState"] == "FAILED", f"{info}\n{log}"
+    # Our one-line message, once (rank 0 prints it for everyone), before torchrun's own report.
+    errors = re.findall(r"^error: MNIST not found in /nonexistent\S* .*$", log, re.M)
+    assert len(errors) == 1, log
+    assert not (jobs["fails"].folder / "out" / "summary.json").exists()
