@@ -5,9 +5,6 @@ These checks live in common.py, so every training step has them; each case runs 
 user would most likely run it with, as plain python where the case allows (cheaper).
 """
 
-import sys
-import time
-
 import pytest
 import torch
 
@@ -99,9 +96,9 @@ def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):
     """Rank 1 stops after one step; rank 0 must give up after --timeout (5 s), not hang."""
     cmd = torchrun_cmd(2, REPO / "tests" / "stall_probe.py", "03_ddp_wrapper.py", *TINY,
                        "--timeout", 5, "--out-dir", tmp_path)
-    started = time.monotonic()
-    proc = launch(cmd, env=base_env(STALL_RANK=1), check=False, timeout=120)
-    assert proc.returncode != 0
-    assert time.monotonic() - started < 60
+    # Without the timeout this would hang for the hour rank 1 sleeps; `launch` gives up
+    # (and fails the test) after 240 s, a guard against hangs, not a speed bound.
+    proc = launch(cmd, env=base_env(STALL_RANK=1), check=False, timeout=240)
+    assert proc.returncode != 0, proc.stdout[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 0:")]
     assert errors and "timed out" in errors[0] and "stalled" in errors[0], proc.stderr[-3000:]
