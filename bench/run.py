@@ -1,0 +1,218 @@
+"""Measure what each step buys, side by side, and write a Markdown table.
+
+    python bench/run.py                      # every row, 5 repeats, CPU (about 30 min on 2 cores)
+    python bench/run.py --rows scaling,overhead --repeats 3
+    python bench/run.py --device cuda        # the same rows on GPUs
+
+Every configuration is a short real run of a step (its own processes, its own summary.json).
+Within one repeat all configurations of all chosen rows run one after another, and the order
+rotates from repeat to repeat, so slow drift of a shared machine hits every configuration alike.
+A row reports medians and the min-max range over the repeats; where two configurations' ranges
+overlap, it says the difference is not resolved on this machine instead of printing a ratio as
+fact. This is a benchmark, not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Config:
+    """One way of running a step; `metric` reads the number we compare from a finished run."""
+
+    row: str
+    name: str
+    script: str
+    args: list
+    nproc: int | None = None  # None: plain python
+    metric: str = "samples_per_sec"
+    env: dict = field(default_factory=dict)
+    values: list = field(default_factory=list)
+    extras: dict = field(default_factory=dict)  # other summary fields, e.g. first_step_seconds
+
+
+def configs(opts) -> list[Config]:
+    data = ["--data", "synthetic", "--train-samples", str(opts.samples), "--test-samples", "500",
+            "--epochs", "1", "--device", opts.device]
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    per_rank = opts.per_rank_batch
+    h5 = str(Path(opts.work) / "bench.h5")
+    rows = {
+        "scaling": [  # same per-rank batch, one thread per rank: ideal 2 ranks = 2x samples/s
+            Config("scaling", "03, 1 rank", "03_ddp_wrapper.py", [*data, "--batch-size", per_rank],
+                   nproc=1, env=one_thread),
+            Config("scaling", "03, 2 ranks", "03_ddp_wrapper.py",
+                   [*data, "--batch-size", 2 * per_rank], nproc=2, env=one_thread),
+        ],
+        "overhead": [  # world size 1: what the DDP wrapper costs when there is nobody to talk to
+            Config("overhead", "00 (no DDP)", "00_single_gpu.py", [*data, "--batch-size", per_rank],
+                   env=one_thread),
+            Config("overhead", "03 (DDP, world of 1)", "03_ddp_wrapper.py",
+                   [*data, "--batch-size", per_rank], env=one_thread),
+        ],
+        "wrapper": [  # a model with 8x the parameters, so that gradient sync matters
+            Config("wrapper", "02 (sync after backward)", "02_manual_ddp.py",
+                   [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
+            Config("wrapper", "03 (bucketed, overlapped)", "03_ddp_wrapper.py",
+                   [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
+        ],
+        "compile": [
+            Config("compile", "04 --no-compile", "04_ddp_compile.py",
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile"], nproc=2, env=one_thread),
+            Config("compile", "04 compiled", "04_ddp_compile.py",
+                   [*data, "--batch-size", 2 * per_rank], nproc=2, env=one_thread),
+        ],
+        "streaming": [  # equal worker counts: one DataLoader worker per rank
+            Config("streaming", "05 in memory", "05_multinode.py",
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--num-workers", "1"],
+                   nproc=2, env=one_thread),
+            Config("streaming", "06 HDF5", "06_streaming_h5.py",
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--num-workers", "1",
+                    "--h5", h5], nproc=2, env=one_thread),
+        ],
+        "checkpoints": [
+            Config("checkpoints", "06", "06_streaming_h5.py",
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--h5", h5],
+                   nproc=2, env=one_thread),
+            Config("checkpoints", f"07, checkpoint every {opts.checkpoint_every} steps",
+                   "07_fault_tolerance.py",
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--h5", h5,
+                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
+        ],
+        "allreduce": [
+            Config("allreduce", "01 --bench, 2 ranks, largest message", "01_torch_dist_allreduce.py",
+                   ["--bench", "--max-mb", "16"], nproc=2, metric="busbw", env=one_thread),
+        ],
+    }
+    chosen = []
+    for row in opts.rows.split(","):
+        for config in rows[row]:
+            if (REPO / config.script).exists():
+                chosen.append(config)
+            else:
+                print(f"skipping {config.name}: {config.script} does not exist yet", flush=True)
+    return chosen
+
+
+def run_once(config: Config, out_dir: Path) -> float:
+    """Run the configuration once; return its metric."""
+    if config.nproc is None:
+        cmd = [sys.executable, config.script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={config.nproc}", config.script]
+    cmd += [str(a) for a in config.args]
+    if config.metric != "busbw":
+        cmd += ["--out-dir", str(out_dir)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **config.env}, text=True,
+                          capture_output=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{config.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    if config.metric == "busbw":  # the last row of 01's table: size, time, algbw, busbw
+        rows = [line.split() for line in proc.stdout.splitlines()
+                if re.match(r"^\s*\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s*$", line)]
+        return float(rows[-1][3])
+    summary = json.loads((out_dir / "summary.json").read_text())
+    for key in ("first_step_seconds", "train_seconds"):
+        config.extras.setdefault(key, []).append(summary.get(key))
+    return summary[config.metric]
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def compare(base: Config, other: Config, higher_is_better: bool = True) -> str:
+    """other/base as a ratio of medians, or "not resolved" when the ranges overlap."""
+    b_med, b_lo, b_hi = spread(base.values)
+    o_med, o_lo, o_hi = spread(other.values)
+    ratio = o_med / b_med
+    if o_lo <= b_hi and b_lo <= o_hi:
+        return f"{ratio:.2f}x (ranges overlap: not resolved on this machine)"
+    return f"{ratio:.2f}x"
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (f"{cpu}, {os.cpu_count()} cores; GPU: {gpu}; torch {torch.__version__}; "
+            f"Python {platform.python_version()}; {datetime.date.today()}")
+
+
+def report(chosen: list[Config], opts) -> str:
+    lines = [f"Machine: {machine()}", "",
+             f"{opts.repeats} repeats, configurations interleaved; median (min-max). "
+             f"Synthetic digits, {opts.samples} training samples, one epoch per run, "
+             f"{opts.per_rank_batch} samples per rank per step, 1 thread per rank.", "",
+             "| row | configuration | metric | median (min-max) | first step s | comparison |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    by_row: dict[str, list[Config]] = {}
+    for config in chosen:
+        by_row.setdefault(config.row, []).append(config)
+    for row, group in by_row.items():
+        for i, config in enumerate(group):
+            med, lo, hi = spread(config.values)
+            first = config.extras.get("first_step_seconds")
+            first_text = f"{statistics.median(first):.1f}" if first and None not in first else ""
+            comparison = ""
+            if i > 0:
+                comparison = f"{compare(group[0], config)} vs {group[0].name}"
+            if row == "scaling" and i == 1:
+                efficiency = med / (2 * spread(group[0].values)[0])
+                comparison = f"scaling efficiency {efficiency:.2f} (samples/s(2) / 2 x samples/s(1))"
+            unit = "GB/s bus bandwidth" if config.metric == "busbw" else "samples/s"
+            lines.append(f"| {row} | {config.name} | {unit} | {med:,.1f} ({lo:,.1f}-{hi:,.1f}) "
+                         f"| {first_text} | {comparison} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="scaling,overhead,wrapper,compile,streaming,"
+                                          "checkpoints,allreduce")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--per-rank-batch", type=int, default=64)
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results-cpu.md")
+    opts = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-") as work:
+        opts.work = work
+        chosen = configs(opts)
+        for repeat in range(opts.repeats):
+            shift = repeat % len(chosen)
+            for config in chosen[shift:] + chosen[:shift]:  # rotate the order each repeat
+                value = run_once(config, Path(work) / f"{config.row}-{config.name}".replace(" ", "_"))
+                config.values.append(value)
+                print(f"repeat {repeat + 1}/{opts.repeats}  {config.row:<11} {config.name:<40} "
+                      f"{value:,.1f}", flush=True)
+    table = report(chosen, opts)
+    opts.out.write_text(table)
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()
