@@ -1,8 +1,9 @@
 """Issue 15: --profile writes one trace per rank and a step-time breakdown that adds up, and a
 real TensorBoard server shows the run's scalars and the profiler plugin's run.
 
-One profiled 2-rank run of step 03 (DDP) serves most tests; one of step 02 (hand-written
-all-reduce after backward) shows that the breakdown tells hidden from exposed communication.
+One profiled 2-rank run of step 03 (DDP) serves every test that needs processes; the
+breakdown's interval arithmetic is also checked on small hand-made traces, where the right
+answer is known exactly (step 02's all-reduce after backward, DDP's overlap, a GPU timeline).
 """
 
 import json
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import profiling
 from conftest import assert_no_traceback, run_step
 
 ARGS = ["--data", "mnist", "--train-samples", 960, "--test-samples", 100, "--batch-size", 96,
@@ -25,27 +27,22 @@ SCALARS = {"train/loss", "test/accuracy", "test/loss", "train/samples_per_sec", 
 PARTS = ("compute_ms", "exposed_comm_ms", "data_ms", "other_ms")
 # The parts partition each step exactly; only float rounding separates their sum from it.
 ADD_UP_MS = 1e-3
-# The plugin's Distributed view splits the same trace by its own code; measured differences
-# were under 1 % of the step time.
+# The plugin's Distributed view splits the same trace with its own code. Measured: within
+# 2.3 % of the step time; it counts the c10d call that hands a bucket to gloo as computation,
+# we count it as communication (the training thread cannot compute meanwhile).
 PLUGIN_AGREES = 0.05  # of the step time
 SERVER_READY_S = 45
 
 
-def profiled_run(script, mnist_root, out):
-    proc = run_step(script, [*ARGS, "--data-dir", mnist_root, "--out-dir", out], nproc=2)
+@pytest.fixture(scope="module")
+def ddp_run(mnist_root, tmp_path_factory):
+    """One profiled 2-rank run of step 03: its folder, process and per-rank summaries."""
+    out = tmp_path_factory.mktemp("profile03")
+    proc = run_step("03_ddp_wrapper.py", [*ARGS, "--data-dir", mnist_root, "--out-dir", out],
+                    nproc=2)
     summaries = [json.loads((out / "profile" / f"summary_rank{r}.json").read_text())
                  for r in range(2)]
     return SimpleNamespace(out=out, proc=proc, summaries=summaries)
-
-
-@pytest.fixture(scope="module")
-def ddp_run(mnist_root, tmp_path_factory):
-    return profiled_run("03_ddp_wrapper.py", mnist_root, tmp_path_factory.mktemp("profile03"))
-
-
-@pytest.fixture(scope="module")
-def manual_run(mnist_root, tmp_path_factory):
-    return profiled_run("02_manual_ddp.py", mnist_root, tmp_path_factory.mktemp("profile02"))
 
 
 def trace_events(out, name) -> list[dict]:
@@ -75,6 +72,8 @@ def test_breakdown_adds_up_to_the_measured_step_time(ddp_run):
         assert sum(summary[p] for p in PARTS) == pytest.approx(measured_ms, abs=ADD_UP_MS)
         assert min(summary[p] for p in PARTS) > -ADD_UP_MS
         assert summary["compute_ms"] > 0.5 * measured_ms  # a CPU step is mostly compute
+        # DDP all-reduces a bucket while backward still computes the earlier layers' gradients
+        assert summary["overlapped_comm_ms"] > 0
         assert summary["exposed_comm_ms"] + summary["overlapped_comm_ms"] == pytest.approx(
             summary["comm_ms"], abs=ADD_UP_MS)
 
@@ -89,13 +88,52 @@ def test_rank0_prints_every_ranks_breakdown_once(ddp_run):
     assert "gpuGetDeviceCount" not in output  # kineto's GPU probe is silenced on the CPU
 
 
-def test_ddp_hides_communication_that_manual_all_reduce_exposes(ddp_run, manual_run):
-    # DDP all-reduces a bucket while backward still computes the earlier layers' gradients;
-    # step 02 all-reduces after backward, when there is nothing left to hide behind.
-    for ddp, manual in zip(ddp_run.summaries, manual_run.summaries):
-        assert ddp["overlapped_comm_ms"] > 0
-        assert manual["exposed_comm_ms"] > 0
-        assert manual["overlapped_comm_ms"] < 0.1 * manual["comm_ms"]
+def span(name, start, end, tid=1, cat="cpu_op"):
+    return {"ph": "X", "name": name, "cat": cat, "pid": 1, "tid": tid, "ts": start,
+            "dur": end - start}
+
+
+def breakdown_of(*events):
+    return profiling.step_breakdown([span("ProfilerStep#2", 0, 100, cat="user_annotation"),
+                                     *events])
+
+
+def test_breakdown_of_a_ddp_step_with_known_answer():
+    # Times in microseconds: the loader, forward, a backward that starts the all-reduce of
+    # its first bucket (gloo runs it on its own thread), then the optimizer.
+    result = breakdown_of(
+        span("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 5,
+             cat="user_annotation"), span("aten::index", 1, 4),
+        span("aten::conv2d", 5, 40), span("autograd::engine::evaluate_function", 40, 80),
+        span("c10d::allreduce_", 58, 60), span("gloo:all_reduce", 60, 90, tid=2),
+        span("aten::add_", 92, 98))
+    assert result["step_ms"] == 0.1
+    assert result["compute_ms"] == pytest.approx((53 + 20 + 6) / 1000)  # not the loader's op
+    assert result["exposed_comm_ms"] == pytest.approx((2 + 10) / 1000)  # launch + tail
+    assert result["data_ms"] == pytest.approx(5 / 1000)
+    assert result["other_ms"] == pytest.approx(4 / 1000)
+    assert result["overlapped_comm_ms"] == pytest.approx(20 / 1000)
+
+
+def test_breakdown_of_an_all_reduce_after_backward_hides_nothing():
+    result = breakdown_of(span("aten::conv2d", 0, 80), span("c10d::allreduce_", 81, 82),
+                          span("gloo:all_reduce", 82, 95, tid=2), span("aten::div_", 96, 98))
+    assert result["exposed_comm_ms"] == pytest.approx(14 / 1000)
+    assert result["overlapped_comm_ms"] == 0
+
+
+def test_breakdown_on_a_gpu_uses_the_device_timeline():
+    # The host only launches; the kernels are the work. The step also shows on the GPU's
+    # timeline, which must not count as a second step.
+    result = breakdown_of(span("aten::conv2d", 0, 30), span("ProfilerStep#2", 5, 95, 7,
+                                                            cat="gpu_user_annotation"),
+                          span("sm90_xmma_fprop", 10, 50, 7, cat="kernel"),
+                          span("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 40, 60, 8,
+                               cat="kernel"))
+    assert result["steps"] == 1 and result["timeline"] == "gpu"
+    assert result["compute_ms"] == pytest.approx(40 / 1000)
+    assert result["exposed_comm_ms"] == pytest.approx(10 / 1000)
+    assert result["overlapped_comm_ms"] == pytest.approx(10 / 1000)
 
 
 def test_event_files_hold_the_scalars(ddp_run):
