@@ -219,7 +219,6 @@ def test_memory_does_not_grow_with_the_file(step, tmp_path):
         growth[count] = peak - before
     # 70 MB more data, and no more memory: measured -8 to +1 MB, the allocator's noise (it
     # keeps some freed buffers). Holding even a quarter of the data would fail.
-    print("growth KiB", growth)
     more_data = (102_400 - 10_240) * 784 // 1024
     assert growth[102_400] - growth[10_240] < more_data / 4, (growth, more_data)
     # The measurement can fail: holding the large set in memory does show.
