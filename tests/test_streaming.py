@@ -48,7 +48,7 @@ def decode(images: torch.Tensor, labels: torch.Tensor) -> list[int]:
 @pytest.fixture(scope="module")
 def indexed_file(step, tmp_path_factory):
     path = tmp_path_factory.mktemp("indexed") / "digits.h5"
-    step.write_h5(path, indexed_digits(1000), indexed_digits(50), chunk=64, compression=None)
+    common.write_digits_h5(path, indexed_digits(1000), indexed_digits(50), chunk=64, compression=None)
     return path
 
 
@@ -156,10 +156,9 @@ def damaged(kind: str, good, path):
                                   "wrong dtype"])
 def test_a_bad_file_is_one_clear_error_before_training(step, indexed_file, tmp_path, kind):
     path = damaged(kind, indexed_file, tmp_path / "bad.h5")
-    args = SimpleNamespace(train_samples=None, test_samples=None)
     with pytest.raises(common.UserError) as error:
         # `prepare` reads every chunk; training checks shapes, types and the end of the file
-        step.open_h5(path, args, verify_all=kind == "corrupt chunk")
+        common.open_digits_h5(path, None, None, verify_all=kind == "corrupt chunk")
     message = str(error.value)
     assert str(path) in message and "\n" not in message, message
     expected = {"wrong shape": "expected uint8 8 x 28 x 28", "wrong dtype": "float32 images"}
@@ -178,7 +177,7 @@ def test_an_interrupted_prepare_leaves_no_file(step, tmp_path, monkeypatch):
 
     monkeypatch.setattr(h5py.Group, "create_dataset", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        step.write_h5(tmp_path / "digits.h5", indexed_digits(100), indexed_digits(10), 64, None)
+        common.write_digits_h5(tmp_path / "digits.h5", indexed_digits(100), indexed_digits(10), 64, None)
     assert len(calls) == 3
     assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
 
@@ -262,10 +261,10 @@ def runs(mnist_root, tmp_path_factory):
         result[name] = SimpleNamespace(stdout=proc.stdout, reads=read_probe(out / "probe"),
                                        summary=read_summary(out))
 
-    # `prepare` alone, with plain python: the file and nothing else.
+    # `prepare` alone, with plain python: the file and nothing else (compressed, this once).
     prepared = root / "prepared.h5"
-    proc = run_step(STEP.name, ["prepare", *COMMON, *data, "--h5", prepared,
-                                "--out-dir", root / "prepare-out"])
+    proc = run_step(STEP.name, ["prepare", *COMMON, *data, "--h5-compression", "gzip",
+                                "--h5", prepared, "--out-dir", root / "prepare-out"])
     result["prepare"] = SimpleNamespace(path=prepared, stdout=proc.stdout,
                                         out=root / "prepare-out")
     # 2 ranks x 2 workers; the file is missing, so the run converts the data first.
@@ -289,10 +288,11 @@ def test_prepare_writes_the_file_and_nothing_else(runs):
             assert f[name].attrs["count"] == count and list(f[name].attrs["shape"]) == [28, 28]
             images = f[name]["images"]
             assert images.dtype == np.uint8 and images.shape == (count, 28, 28)
-            assert images.chunks == (64, 28, 28) and images.compression is None
-            assert images.fletcher32
-        # The run that found no file converted the same data.
+            assert images.chunks == (64, 28, 28) and images.fletcher32
+            assert images.compression == "gzip"
+        # The run that found no file converted the same data, uncompressed (the default).
         with h5py.File(runs["root"] / "converted.h5") as g:
+            assert g["train/images"].compression is None
             assert np.array_equal(f["train/images"][:], g["train/images"][:])
             assert np.array_equal(f["test/labels"][:], g["test/labels"][:])
     assert f"{TRAIN_SAMPLES} training samples" in prepared.stdout
