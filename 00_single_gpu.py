@@ -77,7 +77,7 @@ def main():
     start_epoch = 0
     if args.resume:
         start_epoch = common.resume(args.resume, run, model, optimizer, scheduler,
-                                    train_loader.generator)
+                                    train_loader.generator)["epoch"]
 
     metrics, meter, test = common.Metrics(run, args.out_dir), common.Throughput(run), None
     with common.profiler(args, run) as prof:

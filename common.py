@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -124,8 +125,8 @@ def argument_parser(doc: str, script: str) -> argparse.ArgumentParser:
     data.add_argument("--data-dir", type=Path, default=Path("data"))
     data.add_argument("--train-samples", type=int, help="use only the first N training samples")
     data.add_argument("--test-samples", type=int, help="use only the first N test samples")
-    data.add_argument("--num-workers", type=int, help="DataLoader worker processes per rank "
-                      "(default: 0 on CPU, where workers compete with training for cores; 2 on GPU)")
+    data.add_argument("--num-workers", type=int, help="DataLoader worker processes per rank (default: 0 on CPU, where "
+                      "workers compete with training for cores; 2 on GPU and in step 06 on)")
     train = parser.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--batch-size", type=int, default=256,
@@ -352,12 +353,19 @@ def loader_generator(seed: int) -> torch.Generator:
     return generator
 
 
-def seed_worker(worker_id: int) -> None:
-    """worker_init_fn: torch seeds each worker (base_seed + worker_id); seed python and numpy
-    from it too, or every worker would repeat the same 'random' numbers."""
+def init_worker(worker_id: int) -> None:
+    """worker_init_fn, run in each DataLoader worker process when it starts.
+
+    - Seeds: torch seeds each worker (base_seed + worker_id); seed python and numpy from it
+      too, or every worker would repeat the same 'random' numbers.
+    - SIGTERM: SLURM and torchrun send it to every process of a job, workers included, and a
+      worker that dies of it makes the training process fail before it can save (step 07
+      saves on SIGTERM). Workers ignore it and end when their training process does.
+    """
     worker_seed = torch.initial_seed() % 2**32
     random.seed(worker_seed)
     np.random.seed(worker_seed)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,7 +586,7 @@ def open_digits_h5(path: Path, train_samples: int | None, test_samples: int | No
 def make_loader(dataset: Dataset, batch_size: int, run: Run, args, seed: int, **kwargs):
     """A DataLoader with the settings that matter for speed and reproducibility.
 
-    - its own generator (seeded per rank) and worker seeding: see loader_generator/seed_worker;
+    - its own generator (seeded per rank) and worker seeding: see loader_generator/init_worker;
     - pinned host memory on GPU, so `.to(device, non_blocking=True)` overlaps the copy;
     - persistent workers: they would otherwise be re-forked every epoch.
     """
@@ -587,7 +595,7 @@ def make_loader(dataset: Dataset, batch_size: int, run: Run, args, seed: int, **
         workers = 2 if run.device.type == "cuda" else 0
     return DataLoader(dataset, batch_size=batch_size, num_workers=workers,
                       pin_memory=run.device.type == "cuda", persistent_workers=workers > 0,
-                      worker_init_fn=seed_worker, generator=loader_generator(seed), **kwargs)
+                      worker_init_fn=init_worker, generator=loader_generator(seed), **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -691,8 +699,9 @@ def load_checkpoint(path: Path, device: torch.device) -> dict:
 
 
 def resume(path: Path, run: Run, model: nn.Module, optimizer, scheduler,
-           generator: torch.Generator) -> int:
-    """Restore a checkpoint written by save_checkpoint; return the epoch to continue at."""
+           generator: torch.Generator) -> dict:
+    """Restore a checkpoint written by save_checkpoint and return it: its "epoch" (epochs
+    completed) is the epoch to continue at."""
     checkpoint = load_checkpoint(path, run.device)
     try:
         model.load_state_dict(checkpoint["model"])
@@ -708,7 +717,7 @@ def resume(path: Path, run: Run, model: nn.Module, optimizer, scheduler,
         print(f"note: checkpoint was written by {len(states)} ranks, this run has "
               f"{run.world_size}: RNG streams restart from the seed", flush=True)
     log(run, f"resumed from {path} after epoch {checkpoint['epoch']}")
-    return checkpoint["epoch"]
+    return checkpoint
 
 
 # --------------------------------------------------------------------------------------------

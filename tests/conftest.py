@@ -81,7 +81,8 @@ def torchrun_cmd(nproc: int, *script_and_args, extra: tuple = ()) -> list[str]:
 
 
 def run_step(script: str, args: list, *, nproc: int | None = None, probe_dir: Path | None = None,
-             env_extra: dict | None = None, check=True, timeout=300):
+             env_extra: dict | None = None, torchrun_extra: tuple = (), check=True,
+             timeout=300):
     """Start a step like a user: plain python (nproc=None) or torchrun with nproc ranks.
 
     With probe_dir, the step runs under tests/rank_probe.py, which saves each rank's final
@@ -97,7 +98,7 @@ def run_step(script: str, args: list, *, nproc: int | None = None, probe_dir: Pa
     if nproc is None:
         cmd = [sys.executable, *target, *args]
     else:
-        cmd = torchrun_cmd(nproc, *target, *args)
+        cmd = torchrun_cmd(nproc, *target, *args, extra=torchrun_extra)
     return launch(cmd, env=env, check=check, timeout=timeout)
 
 

@@ -6,10 +6,14 @@ Writes PROBE_DIR/rank<R>.pt = {"params": the parameters this rank's optimizer la
 "indices": {dataset size: [every index batch fetched from a dataset of that size]}}.
 It only observes: a global optimizer hook (a public PyTorch API) keeps a reference to the
 optimizer, and the training set's batch fetch is wrapped to note the indices it is asked for.
+
+PROBE_KILL=<rank>:<step> adds one failure: that rank SIGKILLs itself after its <step>-th
+optimizer step, in the first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a crashed node would.
 """
 
 import os
 import runpy
+import signal
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -20,9 +24,20 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
-seen = {}
+seen = {"steps": 0}
 fetched = defaultdict(list)
-register_optimizer_step_post_hook(lambda optimizer, args, kwargs: seen.update(opt=optimizer))
+kill_rank, _, kill_step = os.environ.get("PROBE_KILL", "-1:0").partition(":")
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def after_optimizer_step(optimizer, args, kwargs):
+    seen.update(opt=optimizer, steps=seen["steps"] + 1)
+    if (first_attempt and os.environ.get("RANK", "0") == kill_rank
+            and seen["steps"] == int(kill_step)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+register_optimizer_step_post_hook(after_optimizer_step)
 
 original_getitems = common.Digits.__getitems__
 
