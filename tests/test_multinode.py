@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import REPO, base_env, read_summary, run_step
+from conftest import REPO, base_env, max_difference, rank_params, read_summary, run_step
 
 ARGS = ["--no-compile", "--data", "mnist", "--train-samples", 480, "--test-samples", 100,
         "--batch-size", 48, "--epochs", 1]
@@ -26,9 +26,11 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
              "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "rehearsal",
-             "--rdzv-endpoint", endpoint, "05_multinode.py",
+             "--rdzv-endpoint", endpoint, "tests/rank_probe.py", "05_multinode.py",
              *map(str, ARGS), "--data-dir", str(mnist_root), "--out-dir", str(out)]
-    nodes = [subprocess.Popen(agent, cwd=REPO, env=base_env(), stdout=subprocess.PIPE,
+    (out / "probe").mkdir(parents=True)
+    env = base_env(PROBE_DIR=out / "probe")  # records each rank's final weights
+    nodes = [subprocess.Popen(agent, cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)
@@ -41,8 +43,12 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
 
     # The same job on one node with two processes computes the same thing.
     one_node = tmp_path / "one_node"
-    run_step("05_multinode.py", [*ARGS, "--data-dir", mnist_root, "--out-dir", one_node], nproc=2)
+    run_step("05_multinode.py", [*ARGS, "--data-dir", mnist_root, "--out-dir", one_node], nproc=2,
+             probe_dir=one_node / "probe")
     alone = read_summary(one_node)
     assert alone["nodes"] == 1
+    for rank in (0, 1):
+        assert max_difference(rank_params(out / "probe", rank),
+                              rank_params(one_node / "probe", rank)) == 0.0
     assert summary["train_losses"] == alone["train_losses"]
     assert summary["test_correct"] == alone["test_correct"]
