@@ -1,0 +1,116 @@
+#!/bin/bash
+# Train on several nodes: one torchrun agent per node, which starts one worker process per GPU.
+#
+# Usage, from the repository root:
+#   sbatch slurm/multinode.sh                           # runs 05_multinode.py
+#   sbatch slurm/multinode.sh 05_multinode.py --epochs 3 # a step and its arguments
+#   sbatch --nodes=4 slurm/multinode.sh                 # options on the command line beat #SBATCH lines
+#   NPROC_PER_NODE=1 sbatch slurm/multinode.sh          # processes per node (see "How many workers")
+# Watch it:  squeue --me    then    tail -f ddp-multinode-<job id>.out
+#
+# Classic mistakes, all of which this script avoids:
+# - "# SBATCH" with a space is an ordinary comment: SLURM silently ignores it. Write "#SBATCH".
+# - Two torchrun agents on one node (e.g. --ntasks-per-node=4 for 4 GPUs): every agent starts its
+#   own --nproc-per-node workers, so 4 x 4 = 16 processes share 4 GPUs. One task per node.
+# - "torchrun --nnodes 2 ..." without srun: this script runs on the first node only, so the second
+#   node never starts an agent and the first waits for it until the rendezvous times out.
+#
+# The #SBATCH lines must come before the first command; sbatch stops reading them there.
+#SBATCH --job-name=ddp-multinode
+#SBATCH --nodes=2
+# ONE task per node: that task is torchrun, and torchrun starts the workers.
+#SBATCH --ntasks-per-node=1
+# CPU cores for everything on the node (the one task holds them all). On a GPU node ask for
+# about 8 per GPU, e.g. 32 for 4 GPUs: DataLoader workers need cores too.
+#SBATCH --cpus-per-task=2
+#SBATCH --time=00:30:00
+# %x = job name, %j = job id, in the folder you submitted from. A folder such as
+# logs/%x-%j.out must exist before sbatch: SLURM does not create it, and the job fails without a log.
+#SBATCH --output=%x-%j.out
+#
+# Common cluster variations: delete one '#' to turn a line on ("##SBATCH" is a plain comment).
+# GPUs per node (older clusters: --gres=gpu:4); raise --cpus-per-task with it.
+##SBATCH --gpus-per-node=4
+# The allocation your jobs are billed to (required on ComputeCanada/Alliance clusters).
+##SBATCH --account=def-someone
+# Which queue and which kind of node.
+##SBATCH --partition=gpu
+##SBATCH --constraint=a100
+# Memory per node.
+##SBATCH --mem=64G
+# Step 07 uses this: SIGUSR2 to this batch script 120 s before the time limit, to save and requeue.
+##SBATCH --signal=B:USR2@120
+
+set -euo pipefail
+: "${SLURM_JOB_ID:?submit this script with sbatch, see Usage at the top}"
+
+# --- Software. Load your cluster's modules first, e.g.:
+# module load python/3.11 cuda
+#
+# ComputeCanada/Alliance: build the virtualenv on each node's local disk ($SLURM_TMPDIR is per
+# node, so run it once on every node), then activate it here; srun passes PATH on to the tasks.
+# srun --ntasks-per-node=1 bash -c 'virtualenv --no-download "$SLURM_TMPDIR/env" &&
+#     "$SLURM_TMPDIR/env/bin/pip" install --no-index -r requirements.txt'
+# source "$SLURM_TMPDIR/env/bin/activate"
+#
+# Default: the repository's own .venv, if there is one (it must be on a shared filesystem).
+if [[ -f .venv/bin/activate ]]; then
+    # shellcheck source=/dev/null
+    source .venv/bin/activate
+fi
+
+# --- What to run: the arguments given to sbatch after this script, by default 05_multinode.py.
+if (($# == 0)); then
+    set -- 05_multinode.py
+fi
+
+# --- How many workers per node: one per GPU. SLURM sets SLURM_GPUS_ON_NODE when the job asked for
+# GPUs; otherwise count the GPUs nvidia-smi sees. No GPU: 2 CPU processes (gloo). NPROC_PER_NODE,
+# set when you submit, overrides both (to use fewer GPUs, or another number of CPU processes).
+NPROC=${SLURM_GPUS_ON_NODE:-}
+if [[ -z "$NPROC" ]] && command -v nvidia-smi >/dev/null; then
+    NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+fi
+if [[ -z "$NPROC" || "$NPROC" == 0 ]]; then
+    NPROC=2
+fi
+NPROC=${NPROC_PER_NODE:-$NPROC}
+
+# --- CPU threads per worker: the node's cores shared by its workers (at least 1). Without this,
+# torchrun sets OMP_NUM_THREADS=1 for every worker and leaves the other cores idle.
+CPUS=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
+THREADS=$((CPUS / NPROC))
+((THREADS >= 1)) || THREADS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
+# Since SLURM 22.05 srun no longer inherits --cpus-per-task from the job: without this line the
+# torchrun task (and all its workers) would be squeezed onto one core.
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+    export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+fi
+
+# --- Rendezvous: every agent meets at the first node of the job.
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+HEAD=${NODES[0]}
+# Use the address SLURM itself uses for that node (its NodeAddr): a node's name in SLURM need not
+# be a name the other nodes can resolve. On most clusters NodeAddr is the hostname or IP anyway.
+HEAD_ADDR=$HEAD
+if [[ "$(scontrol show node -o "$HEAD")" =~ NodeAddr=([^[:space:]]+) ]]; then
+    HEAD_ADDR=${BASH_REMATCH[1]}
+fi
+# A port derived from the job id, so two jobs sharing a node do not pick the same one.
+PORT=$((20000 + SLURM_JOB_ID % 20000))
+
+echo "job $SLURM_JOB_ID: $SLURM_NNODES nodes ($SLURM_JOB_NODELIST) x $NPROC workers," \
+    "OMP_NUM_THREADS=$OMP_NUM_THREADS, rendezvous at $HEAD_ADDR:$PORT, running: $*"
+
+# srun starts one task per node (= one torchrun agent per node). --kill-on-bad-exit=1: if one
+# node's torchrun fails, SLURM stops the others instead of leaving them waiting until the time limit.
+# c10d rendezvous: the agents find each other at HEAD_ADDR:PORT and number the nodes themselves,
+# so no --node-rank is needed; --rdzv-id keeps two jobs from joining each other's group.
+srun --kill-on-bad-exit=1 torchrun \
+    --nnodes "$SLURM_NNODES" \
+    --nproc-per-node "$NPROC" \
+    --rdzv-backend c10d \
+    --rdzv-id "$SLURM_JOB_ID" \
+    --rdzv-endpoint "$HEAD_ADDR:$PORT" \
+    "$@"

@@ -1,0 +1,98 @@
+#!/bin/bash
+# Train on one node: one torchrun, which starts one worker process per GPU.
+#
+# Usage, from the repository root:
+#   sbatch slurm/singlenode.sh                           # runs 05_multinode.py (any step works)
+#   sbatch slurm/singlenode.sh 03_ddp_wrapper.py --epochs 3  # a step and its arguments
+#   NPROC_PER_NODE=1 sbatch slurm/singlenode.sh          # processes (see "How many workers")
+# Watch it:  squeue --me    then    tail -f ddp-singlenode-<job id>.out
+#
+# Classic mistakes, all of which this script avoids:
+# - "# SBATCH" with a space is an ordinary comment: SLURM silently ignores it. Write "#SBATCH".
+# - Two torchrun agents on one node (e.g. --ntasks=4 for 4 GPUs): every agent starts its own
+#   --nproc-per-node workers, so 4 x 4 = 16 processes share 4 GPUs. One task, one torchrun.
+# - More than one node needs srun to start torchrun on each of them: see slurm/multinode.sh.
+#
+# The #SBATCH lines must come before the first command; sbatch stops reading them there.
+#SBATCH --job-name=ddp-singlenode
+#SBATCH --nodes=1
+# ONE task: that task is torchrun, and torchrun starts the workers.
+#SBATCH --ntasks=1
+# CPU cores for everything (the one task holds them all). With GPUs ask for about 8 per GPU,
+# e.g. 32 for 4 GPUs: DataLoader workers need cores too.
+#SBATCH --cpus-per-task=2
+#SBATCH --time=00:30:00
+# %x = job name, %j = job id, in the folder you submitted from. A folder such as
+# logs/%x-%j.out must exist before sbatch: SLURM does not create it, and the job fails without a log.
+#SBATCH --output=%x-%j.out
+#
+# Common cluster variations: delete one '#' to turn a line on ("##SBATCH" is a plain comment).
+# GPUs (older clusters: --gres=gpu:4); raise --cpus-per-task with it.
+##SBATCH --gpus-per-node=4
+# The allocation your jobs are billed to (required on ComputeCanada/Alliance clusters).
+##SBATCH --account=def-someone
+# Which queue and which kind of node.
+##SBATCH --partition=gpu
+##SBATCH --constraint=a100
+# Memory for the job.
+##SBATCH --mem=64G
+# Step 07 uses this: SIGUSR2 to this batch script 120 s before the time limit, to save and requeue.
+##SBATCH --signal=B:USR2@120
+
+set -euo pipefail
+: "${SLURM_JOB_ID:?submit this script with sbatch, see Usage at the top}"
+
+# --- Software. Load your cluster's modules first, e.g.:
+# module load python/3.11 cuda
+#
+# ComputeCanada/Alliance: build the virtualenv on the node's local disk, then use it.
+# virtualenv --no-download "$SLURM_TMPDIR/env"
+# source "$SLURM_TMPDIR/env/bin/activate"
+# pip install --no-index -r requirements.txt
+#
+# Default: the repository's own .venv, if there is one.
+if [[ -f .venv/bin/activate ]]; then
+    # shellcheck source=/dev/null
+    source .venv/bin/activate
+fi
+
+# --- What to run: the arguments given to sbatch after this script, by default 05_multinode.py.
+if (($# == 0)); then
+    set -- 05_multinode.py
+fi
+
+# --- How many workers: one per GPU. SLURM sets SLURM_GPUS_ON_NODE when the job asked for GPUs;
+# otherwise count the GPUs nvidia-smi sees. No GPU: 2 CPU processes (gloo). NPROC_PER_NODE,
+# set when you submit, overrides both (to use fewer GPUs, or another number of CPU processes).
+NPROC=${SLURM_GPUS_ON_NODE:-}
+if [[ -z "$NPROC" ]] && command -v nvidia-smi >/dev/null; then
+    NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+fi
+if [[ -z "$NPROC" || "$NPROC" == 0 ]]; then
+    NPROC=2
+fi
+NPROC=${NPROC_PER_NODE:-$NPROC}
+
+# --- CPU threads per worker: the job's cores shared by its workers (at least 1). Without this,
+# torchrun sets OMP_NUM_THREADS=1 for every worker and leaves the other cores idle.
+CPUS=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
+THREADS=$((CPUS / NPROC))
+((THREADS >= 1)) || THREADS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
+# Since SLURM 22.05 srun no longer inherits --cpus-per-task from the job: without this line the
+# torchrun task (and all its workers) would be squeezed onto one core.
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+    export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+fi
+
+echo "job $SLURM_JOB_ID: 1 node ($SLURM_JOB_NODELIST) x $NPROC workers," \
+    "OMP_NUM_THREADS=$OMP_NUM_THREADS, running: $*"
+
+# srun makes torchrun a job step: SLURM tracks it, passes it the job's cores and signals, and
+# --kill-on-bad-exit=1 ends the job as soon as it fails. --standalone: a private rendezvous on
+# this node at a free port, so nothing to choose and no clash with another job on the node.
+srun --kill-on-bad-exit=1 torchrun \
+    --standalone \
+    --nnodes 1 \
+    --nproc-per-node "$NPROC" \
+    "$@"
