@@ -216,7 +216,7 @@ def launcher_ranks() -> tuple[int, int, int, int]:
                 int(env.get("LOCAL_WORLD_SIZE", 1)))
     if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
         env.setdefault("MASTER_ADDR", _slurm_head_address(env["SLURM_STEP_NODELIST"]))
-        env.setdefault("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))
+        env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
         per_node = _expand_slurm_counts(env["SLURM_STEP_TASKS_PER_NODE"])
         return (int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]),
                 int(env["SLURM_STEP_NUM_TASKS"]), per_node[int(env.get("SLURM_NODEID", 0))])

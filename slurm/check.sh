@@ -61,7 +61,7 @@ HEAD_ADDR=$HEAD
 if [[ "$(scontrol show node -o "$HEAD")" =~ NodeAddr=([^[:space:]]+) ]]; then
     HEAD_ADDR=${BASH_REMATCH[1]}
 fi
-PORT=$((20000 + SLURM_JOB_ID % 20000))
+PORT=$((15000 + SLURM_JOB_ID % 15000))  # 15000-29999: below the ports Linux hands out itself (32768+)
 
 echo "job $SLURM_JOB_ID: nodes ${NODES[*]}, $NPROC workers per node, rendezvous at $HEAD_ADDR:$PORT"
 

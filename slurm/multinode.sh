@@ -98,7 +98,7 @@ if [[ "$(scontrol show node -o "$HEAD")" =~ NodeAddr=([^[:space:]]+) ]]; then
     HEAD_ADDR=${BASH_REMATCH[1]}
 fi
 # A port derived from the job id, so two jobs sharing a node do not pick the same one.
-PORT=$((20000 + SLURM_JOB_ID % 20000))
+PORT=$((15000 + SLURM_JOB_ID % 15000))  # 15000-29999: below the ports Linux hands out itself (32768+)
 
 echo "job $SLURM_JOB_ID: $SLURM_NNODES nodes ($SLURM_JOB_NODELIST) x $NPROC workers," \
     "OMP_NUM_THREADS=$OMP_NUM_THREADS, rendezvous at $HEAD_ADDR:$PORT, running: $*"

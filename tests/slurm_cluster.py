@@ -222,7 +222,7 @@ class SlurmCluster:
 # Written by tests/slurm_cluster.py: two nodes on one host, everything under {r}
 ClusterName=ddptest
 # Job ids from a random start: the scripts derive rendezvous ports and ids from the job id, and two
-# test clusters on one host must not both run a job 1 (20000 + 1..12000 also stays below the
+# test clusters on one host must not both run a job 1 (15000 + 1..12000 also stays below the
 # kernel's ephemeral ports, 32768 and up).
 FirstJobId={random.randint(1, 12000)}
 SlurmctldHost={host}(127.0.0.1)
