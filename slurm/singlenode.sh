@@ -38,6 +38,8 @@
 ##SBATCH --mem=64G
 # Step 07 uses this: SIGUSR2 to this batch script 120 s before the time limit, to save and requeue.
 ##SBATCH --signal=B:USR2@120
+# A requeued job appends to its log instead of overwriting the first run's.
+#SBATCH --open-mode=append
 
 set -euo pipefail
 : "${SLURM_JOB_ID:?submit this script with sbatch, see Usage at the top}"
@@ -88,11 +90,34 @@ fi
 echo "job $SLURM_JOB_ID: 1 node ($SLURM_JOB_NODELIST) x $NPROC workers," \
     "OMP_NUM_THREADS=$OMP_NUM_THREADS, running: $*"
 
+# --- Preemption and time limits (step 07). With "--signal=B:USR2@120" turned on (see the top),
+# SLURM sends USR2 to this batch shell 120 s before the time limit. We pass it on as SIGTERM
+# to the job step: torchrun forwards SIGTERM to its workers (a USR2 would kill torchrun itself
+# and orphan them), and step 07's workers agree on a step, checkpoint there and exit. Then the
+# job requeues itself, and the requeued run (SLURM_RESTART_COUNT > 0) resumes from that
+# checkpoint. Other steps would start over: turn --signal on for step 07 only. A preemption by
+# the scheduler sends SIGTERM to the step directly, without this warning (07 saves the same
+# way); whether the job then comes back is the cluster's policy (--requeue asks for it).
+MAX_REQUEUES=${MAX_REQUEUES:-10}
+checkpoint_and_requeue() {
+    echo "$(date +%T) USR2: time limit or preemption near; the workers checkpoint and stop"
+    scancel --signal=TERM "$SLURM_JOB_ID"  # every step of this job, but not this shell
+    wait "$SRUN_PID" || true
+    if ((${SLURM_RESTART_COUNT:-0} < MAX_REQUEUES)); then
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    exit 0
+}
+trap checkpoint_and_requeue USR2
+
 # srun makes torchrun a job step: SLURM tracks it, passes it the job's cores and signals, and
 # --kill-on-bad-exit=1 ends the job as soon as it fails. --standalone: a private rendezvous on
 # this node at a free port, so nothing to choose and no clash with another job on the node.
+# It runs in the background so that this shell can run its USR2 trap while waiting.
 srun --kill-on-bad-exit=1 torchrun \
     --standalone \
     --nnodes 1 \
     --nproc-per-node "$NPROC" \
-    "$@"
+    "$@" &
+SRUN_PID=$!
+wait "$SRUN_PID"

@@ -11,6 +11,7 @@ log and summary.json.
 import json
 import re
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,3 +203,32 @@ def test_failing_step_fails_the_job(jobs):
     errors = re.findall(r"^error: MNIST not found in /nonexistent\S* .*$", log, re.M)
     assert len(errors) == 1, log
     assert not (jobs["fails"].folder / "out" / "summary.json").exists()
+
+
+def test_usr2_checkpoints_requeues_and_the_job_resumes(slurm, tmp_path):
+    """The time-limit warning (what `--signal=B:USR2@120` sends, delivered here by scancel):
+    step 07 stops at a checkpoint, the job requeues itself and the second run resumes."""
+    out = tmp_path / "out"
+    args = ["07_fault_tolerance.py", "--no-compile", "--data", "synthetic", "--train-samples",
+            "960", "--test-samples", "100", "--batch-size", "48", "--epochs", "2",
+            "--checkpoint-every", "4", "--num-workers", "0", "--h5", str(tmp_path / "digits.h5"), "--out-dir", str(out)]
+    job = Job(slurm, slurm.sbatch([f"--output={tmp_path}/job.out", "--nodes=2",
+                                   "slurm/multinode.sh", *args],
+                                  cwd=REPO, env_extra={**CLEAN, "NPROC_PER_NODE": "1",
+                                                        "OMP_NUM_THREADS": "1"}),
+              tmp_path)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (out / "checkpoint.pt").exists():  # training has started
+        assert time.monotonic() < deadline and slurm.job(job.id).get("JobState") in (
+            "PENDING", "RUNNING"), job.finish()
+        time.sleep(0.1)
+    slurm.run("scancel", "--signal=USR2", "--batch", job.id)
+    # SLURM holds a requeued job back until its old credentials expire (cred_expire, 10 s in
+    # the test cluster; 120 s by default), so that no node still running the old one starts it.
+    info, log = job.completed()
+    assert info["Restarts"] == "1", info
+    assert "USR2: time limit or preemption near" in log, log
+    assert re.search(r"^stopping at step \d+ of epoch \d \(SIGTERM\): checkpoint saved", log,
+                     re.M), log
+    assert re.search(r"^resumed at step \d+ of epoch \d$", log, re.M), log
+    assert job.summary()["epochs"] == 2 and job.summary()["world_size"] == 2
