@@ -20,10 +20,12 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +45,8 @@ class Config:
     env: dict = field(default_factory=dict)
     values: list = field(default_factory=list)
     extras: dict = field(default_factory=dict)  # other summary fields, e.g. first_step_seconds
+    launcher_args: list = field(default_factory=list)
+    probe: bool = False  # run under tests/rank_probe.py (PROBE_KILL: kill a rank mid-run)
 
 
 def configs(opts) -> list[Config]:
@@ -93,6 +97,18 @@ def configs(opts) -> list[Config]:
                    [*data, "--batch-size", 2 * per_rank, "--no-compile", "--h5", h5,
                     "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
         ],
+        "restart": [  # wall time of a whole run: the difference is what one killed rank costs
+            Config("restart", "07, uninterrupted", "07_fault_tolerance.py",
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--h5", h5,
+                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, metric="wall",
+                   env=one_thread),
+            Config("restart", f"07, rank 1 killed at step {opts.checkpoint_every * 3 // 2}",
+                   "07_fault_tolerance.py",
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--h5", h5,
+                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, metric="wall",
+                   env={**one_thread, "PROBE_KILL": f"1:{opts.checkpoint_every * 3 // 2}"},
+                   launcher_args=["--max-restarts", "1"], probe=True),
+        ],
         "allreduce": [
             Config("allreduce", "01 --bench, 2 ranks, largest message", "01_torch_dist_allreduce.py",
                    ["--bench", "--max-mb", "16"], nproc=2, metric="busbw", env=one_thread),
@@ -110,22 +126,30 @@ def configs(opts) -> list[Config]:
 
 def run_once(config: Config, out_dir: Path) -> float:
     """Run the configuration once; return its metric."""
+    script = ["tests/rank_probe.py", config.script] if config.probe else [config.script]
     if config.nproc is None:
-        cmd = [sys.executable, config.script]
+        cmd = [sys.executable, *script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={config.nproc}", config.script]
+               f"--nproc-per-node={config.nproc}", *config.launcher_args, *script]
     cmd += [str(a) for a in config.args]
+    env = {**os.environ, **config.env}
     if config.metric != "busbw":
         cmd += ["--out-dir", str(out_dir)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **config.env}, text=True,
-                          capture_output=True)
+        shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run each time, never a resume
+        (out_dir / "probe").mkdir(parents=True)
+        env["PROBE_DIR"] = str(out_dir / "probe")
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
+    wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{config.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     if config.metric == "busbw":  # the last row of 01's table: size, time, algbw, busbw
         rows = [line.split() for line in proc.stdout.splitlines()
                 if re.match(r"^\s*\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s*$", line)]
         return float(rows[-1][3])
+    if config.metric == "wall":
+        return wall
     summary = json.loads((out_dir / "summary.json").read_text())
     for key in ("first_step_seconds", "train_seconds"):
         config.extras.setdefault(key, []).append(summary.get(key))
@@ -181,7 +205,11 @@ def report(chosen: list[Config], opts) -> str:
             if row == "scaling" and i == 1:
                 efficiency = med / (2 * spread(group[0].values)[0])
                 comparison = f"scaling efficiency {efficiency:.2f} (samples/s(2) / 2 x samples/s(1))"
-            unit = "GB/s bus bandwidth" if config.metric == "busbw" else "samples/s"
+            unit = {"busbw": "GB/s bus bandwidth", "wall": "s per run"}.get(config.metric,
+                                                                          "samples/s")
+            if row == "restart" and i == 1:
+                lost = med - spread(group[0].values)[0]
+                comparison = f"{lost:.1f} s lost to the kill (restart + redone steps)"
             lines.append(f"| {row} | {config.name} | {unit} | {med:,.1f} ({lo:,.1f}-{hi:,.1f}) "
                          f"| {first_text} | {comparison} |")
     return "\n".join(lines) + "\n"
@@ -191,7 +219,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="scaling,overhead,wrapper,compile,streaming,"
-                                          "checkpoints,allreduce")
+                                          "checkpoints,restart,allreduce")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--per-rank-batch", type=int, default=64)
@@ -202,6 +230,11 @@ def main():
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as work:
         opts.work = work
         chosen = configs(opts)
+        if any("--h5" in config.args for config in chosen):  # write the file before timing
+            subprocess.run([sys.executable, "06_streaming_h5.py", "prepare", "--data", "synthetic",
+                            "--train-samples", str(opts.samples), "--test-samples", "500",
+                            "--h5", str(Path(work) / "bench.h5"), "--out-dir",
+                            str(Path(work) / "prepare")], cwd=REPO, check=True)
         for repeat in range(opts.repeats):
             shift = repeat % len(chosen)
             for config in chosen[shift:] + chosen[:shift]:  # rotate the order each repeat
