@@ -826,6 +826,9 @@ class Metrics:
             "test_samples": test["samples"], "samples_per_sec": meter.samples_per_sec,
             "first_step_seconds": meter.first_step_seconds,
             "train_seconds": meter.train_seconds, **extra}
+        if meter.first_step_seconds is not None:
+            log(self.run, f"first step {meter.first_step_seconds:.2f} s (one-off costs: "
+                          f"warm-up, compile), then {meter.samples_per_sec:,.0f} samples/s")
         if self.run.is_main:
             write_json_atomic(self.out_dir / "summary.json", summary)
             if self.writer:
