@@ -29,7 +29,10 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
              "--rdzv-endpoint", endpoint, "tests/rank_probe.py", "05_multinode.py",
              *map(str, ARGS), "--data-dir", str(mnist_root), "--out-dir", str(out)]
     (out / "probe").mkdir(parents=True)
-    env = base_env(PROBE_DIR=out / "probe")  # records each rank's final weights
+    # The probe records each rank's final weights. One thread per rank in both runs: torchrun
+    # sets that for 2 processes per node but not for 1, and another thread count sums the
+    # convolutions in another order (weights then differ by ~1e-8).
+    env = base_env(PROBE_DIR=out / "probe", OMP_NUM_THREADS=1)
     nodes = [subprocess.Popen(agent, cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
@@ -44,7 +47,7 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
     # The same job on one node with two processes computes the same thing.
     one_node = tmp_path / "one_node"
     run_step("05_multinode.py", [*ARGS, "--data-dir", mnist_root, "--out-dir", one_node], nproc=2,
-             probe_dir=one_node / "probe")
+             probe_dir=one_node / "probe", env_extra={"OMP_NUM_THREADS": 1})
     alone = read_summary(one_node)
     assert alone["nodes"] == 1
     for rank in (0, 1):
