@@ -132,6 +132,7 @@ class StopRequest:
         return bool(flag.item())
 
 
+EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # a position: steps done, their sums
 STOP_CHECK_EVERY = 10  # steps between checks: each check is an all-reduce and a host sync
 EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
 
@@ -277,7 +278,7 @@ def main():
     latest = args.out_dir / "checkpoint.pt"
     if args.resume is None and restarted() and latest.is_file():
         args.resume = latest  # a restarted or requeued run continues; a fresh run starts fresh
-    start_epoch, position = 0, {"step": 0, "loss_sum": 0.0, "samples": 0}
+    start_epoch, position = 0, EPOCH_START
     if args.resume:
         checkpoint = common.resume(args.resume, run, raw_model, optimizer, scheduler,
                                    train_loader.generator)
@@ -292,7 +293,8 @@ def main():
         dist.barrier()  # no rank may read the checkpoint before it is complete
 
     def after_step(position):
-        """Checkpoint every --checkpoint-every steps; on a stop request, checkpoint and stop."""
+        """Checkpoint every --checkpoint-every steps; on a stop request, checkpoint and stop.
+        (Called from inside the epoch loop below: `epoch` is the epoch being trained.)"""
         step = position["step"]
         stopping = step % STOP_CHECK_EVERY == 0 and stop.agreed(run)
         if stopping or (args.checkpoint_every and step % args.checkpoint_every == 0):
@@ -311,7 +313,7 @@ def main():
                                          position, after_step)
             if train_loss is None:  # asked to stop, and checkpointed
                 raise SystemExit(EXIT_STOPPED)
-            position = {"step": 0, "loss_sum": 0.0, "samples": 0}  # the next epoch starts at 0
+            position = EPOCH_START  # the next epoch starts at its beginning
             samples_per_sec = meter.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()

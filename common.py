@@ -125,8 +125,9 @@ def argument_parser(doc: str, script: str) -> argparse.ArgumentParser:
     data.add_argument("--data-dir", type=Path, default=Path("data"))
     data.add_argument("--train-samples", type=int, help="use only the first N training samples")
     data.add_argument("--test-samples", type=int, help="use only the first N test samples")
-    data.add_argument("--num-workers", type=int, help="DataLoader worker processes per rank (default: 0 on CPU, where "
-                      "workers compete with training for cores; 2 on GPU and in step 06 on)")
+    data.add_argument("--num-workers", type=int,
+                      help="DataLoader worker processes per rank (default: 0 on CPU, where "
+                           "workers compete with training for cores; 2 on GPU and from step 06)")
     train = parser.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--batch-size", type=int, default=256,

@@ -21,6 +21,8 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
 import common  # noqa: E402
 from synthetic_digits import synthetic_digits  # noqa: E402
 
@@ -40,7 +42,7 @@ def main():
     opts = parser.parse_args()
 
     step06 = SimpleNamespace(**runpy.run_path(str(REPO / "06_streaming_h5.py"), run_name="bench"))
-    run = common.Run(0, 0, 1, 1, common.torch.device("cpu"), None, False)
+    run = common.Run(0, 0, 1, 1, torch.device("cpu"), None, False)
     memory = common.Digits(*synthetic_digits(opts.samples, seed=1))
     with tempfile.TemporaryDirectory() as work:
         path = Path(work) / "digits.h5"

@@ -7,13 +7,17 @@ Writes PROBE_DIR/rank<R>.pt = {"params": the parameters this rank's optimizer la
 It only observes: a global optimizer hook (a public PyTorch API) keeps a reference to the
 optimizer, and the training set's batch fetch is wrapped to note the indices it is asked for.
 
-PROBE_KILL=<rank>:<step> adds one failure: that rank SIGKILLs itself after its <step>-th
-optimizer step, in the first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a crashed node would.
+Two failures on request:
+- PROBE_KILL=<rank>:<step>: that rank SIGKILLs itself after its <step>-th optimizer step, in the
+  first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a crashed node would;
+- PROBE_STALL=<rank>: that rank stops answering after its first step (sleeps an hour), as a rank
+  stuck in I/O or a deadlock would; the others wait in their next all-reduce until --timeout.
 """
 
 import os
 import runpy
 import signal
+import time
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -26,15 +30,17 @@ import common  # noqa: E402
 
 seen = {"steps": 0}
 fetched = defaultdict(list)
+rank = os.environ.get("RANK", "0")
 kill_rank, _, kill_step = os.environ.get("PROBE_KILL", "-1:0").partition(":")
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
 def after_optimizer_step(optimizer, args, kwargs):
     seen.update(opt=optimizer, steps=seen["steps"] + 1)
-    if (first_attempt and os.environ.get("RANK", "0") == kill_rank
-            and seen["steps"] == int(kill_step)):
+    if first_attempt and rank == kill_rank and seen["steps"] == int(kill_step):
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank == os.environ.get("PROBE_STALL"):
+        time.sleep(3600)
 
 
 register_optimizer_step_post_hook(after_optimizer_step)
@@ -54,7 +60,6 @@ sys.argv = [script, *script_args]
 try:
     runpy.run_path(script, run_name="__main__")
 finally:
-    rank = int(os.environ.get("RANK", 0))
     params = [p.detach().cpu().clone() for group in seen["opt"].param_groups
               for p in group["params"]] if "opt" in seen else []
     torch.save({"params": params, "indices": dict(fetched)},

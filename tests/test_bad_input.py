@@ -8,7 +8,7 @@ user would most likely run it with, as plain python where the case allows (cheap
 import pytest
 import torch
 
-from conftest import REPO, assert_no_traceback, base_env, launch, run_step, torchrun_cmd
+from conftest import assert_no_traceback, run_step
 
 TINY = ["--data", "synthetic", "--train-samples", 96, "--test-samples", 50, "--batch-size", 48,
         "--epochs", 1]
@@ -94,11 +94,11 @@ def test_batch_not_divisible_by_world_size_prints_once(tmp_path):
 
 def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):
     """Rank 1 stops after one step; rank 0 must give up after --timeout (5 s), not hang."""
-    cmd = torchrun_cmd(2, REPO / "tests" / "stall_probe.py", "03_ddp_wrapper.py", *TINY,
-                       "--timeout", 5, "--out-dir", tmp_path)
-    # Without the timeout this would hang for the hour rank 1 sleeps; `launch` gives up
+    # Without the timeout this would hang for the hour rank 1 sleeps; the launch gives up
     # (and fails the test) after 240 s, a guard against hangs, not a speed bound.
-    proc = launch(cmd, env=base_env(STALL_RANK=1), check=False, timeout=240)
+    proc = run_step("03_ddp_wrapper.py", [*TINY, "--timeout", 5, "--out-dir", tmp_path],
+                    nproc=2, probe_dir=tmp_path / "probe", env_extra={"PROBE_STALL": 1},
+                    check=False, timeout=240)
     assert proc.returncode != 0, proc.stdout[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 0:")]
     assert errors and "timed out" in errors[0] and "stalled" in errors[0], proc.stderr[-3000:]
