@@ -7,22 +7,27 @@ together and that exchange tensors between them. DDP needs only two of them: a b
 rank 0's weights to everyone) and an all-reduce (sum every rank's gradients).
 
 Run it:
-    torchrun --standalone --nproc-per-node 2 01_torch_dist_allreduce.py   # CPU (gloo) or GPUs (nccl)
+    torchrun --standalone --nproc-per-node 2 01_torch_dist_allreduce.py  # CPU (gloo) or GPUs (nccl)
     python 01_torch_dist_allreduce.py                                     # a world of one
     torchrun --standalone --nproc-per-node 2 01_torch_dist_allreduce.py --bench  # bandwidth sweep
 
 Look for: each rank prints its tensor before and after each collective. Rank r starts with
 r + 1, so with N ranks you can check by hand: all_reduce(sum) gives N(N+1)/2 on every rank,
 the average (N+1)/2, broadcast gives rank 0's value everywhere, all_gather [1, 2, ..., N].
+
+Read also: common.py (choose_device: this process's GPU, or the CPU).
 """
 
 import argparse
+import datetime
+import os
 import time
 
 import torch
 import torch.distributed as dist
 
 import common
+import flags
 
 
 def print_in_rank_order(rank: int, world_size: int, line: str) -> None:
@@ -108,27 +113,40 @@ def timed(fn, device) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = flags.Parser(description=__doc__, prog="01_torch_dist_allreduce.py",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--bench", action="store_true", help="time all_reduce over message sizes")
-    parser.add_argument("--max-mb", type=int, default=64, help="largest message in --bench (MiB)")
+    parser.add_argument("--max-mb", type=flags.integer(1, 4096, "--max-mb"), default=64,
+                        help="largest message in --bench (MiB)")
     args = parser.parse_args()
 
-    # Who am I? torchrun's variables (or SLURM's, or a world of one under plain python).
-    rank, local_rank, world_size, local_world_size = common.launcher_ranks()
-    # One GPU per process, chosen by the rank on this node; NCCL for GPUs, gloo for CPUs.
-    device = common.choose_device(args.device, local_rank, local_world_size)
-    backend = common.backend_for(device)
+    # Who am I? torchrun sets these for every process it starts. Plain `python` sets none: a
+    # world of one, which meets itself on this machine.
+    rank = int(os.environ.get("RANK", 0))  # 0 .. world_size-1
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # which process on this machine
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the group's store is hosted
+    os.environ.setdefault("MASTER_PORT", "0")  # (0: any free port; plain python only)
+    # One GPU per process, chosen by the rank on this node; NCCL between GPUs, gloo on CPUs.
+    device = common.choose_device(args.device, local_rank, local_ranks)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
     # Join the group: blocks until all world_size ranks have arrived at MASTER_ADDR:MASTER_PORT.
-    common.init_process_group(backend, device, rank, world_size, timeout_s=120)
+    # device_id lets NCCL connect at once (gloo, on the CPU, takes none).
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120),
+                            device_id=device if device.type == "cuda" else None)
     if rank == 0:
         print(f"{world_size} rank(s), backend {backend}, device type {device.type}", flush=True)
 
     demo_collectives(rank, world_size, device)
     if args.bench:
         bench_all_reduce(rank, world_size, device, args.max_mb)
+    dist.destroy_process_group()  # leave the group: every rank, at the end
 
 
 if __name__ == "__main__":
-    common.run_main(main)  # also destroys the process group at the end
+    common.run_main(main)  # one-line errors instead of tracebacks

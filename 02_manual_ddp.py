@@ -1,28 +1,55 @@
 """Step 02: data parallelism by hand. Step 00 plus what DDP does for you, written out.
 
-N processes (ranks) each hold a full copy of the model and train on a different 1/N of every
-batch. They stay identical because:
-  1. the weights start equal: rank 0's are broadcast to all (each rank builds its model from
-     a different seed here on purpose, so you can see the broadcast matter);
-  2. after backward(), the gradients are all-reduced and divided by N, so every rank applies
-     the same averaged gradient: the one a single process would get for the whole batch.
-A DistributedSampler hands each rank a disjoint share of the training set, reshuffled per
-epoch; evaluation splits the test set the same way and sums the counts over all ranks.
+N processes (ranks) each hold a full copy of the model and train on their own share of every
+batch, dealt by a DistributedSampler. They stay identical because rank 0's weights are broadcast
+at the start (each rank builds its model from another seed here, so the broadcast visibly
+matters) and, after backward(), every gradient is all-reduced and divided by N. Training losses
+and test counts are summed over all ranks; rank 0 alone prints and saves.
 
 Run it:
-    torchrun --standalone --nproc-per-node 2 02_manual_ddp.py           # 2 CPU processes or GPUs
-    CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node 2 02_manual_ddp.py
+    torchrun --standalone --nproc-per-node 2 02_manual_ddp.py   # 2 CPU processes, or 2 GPUs
 
-Look for: the same accuracy as step 00 for the same --batch-size (it is the GLOBAL batch), and
-"world_size=2 batch=256 (= 2 ranks x 128 ...)" in the first line.
+Look for: "world_size=2 batch=256 (= 2 ranks x 128 ...)" in the first line (--batch-size is the
+GLOBAL batch), then about the accuracy of step 00.
+
+Read also: common.py (choose_device, seed_everything, plan_batches), metrics.py (Progress,
+test_sums), checkpoint.py.
 """
+
+import datetime
+import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, Subset
 
+import checkpoint
 import common
+import data
+import flags
+import metrics
+from model import build_model
+
+
+def setup(args):
+    """Join the process group: every rank calls this, and it returns once all have."""
+    # torchrun starts one copy of this script per process and tells each who it is.
+    # Plain `python` sets nothing: a world of one, which meets itself on this machine.
+    rank = int(os.environ.get("RANK", 0))  # 0 .. world_size-1
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # which process on this machine
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the group's store is hosted
+    os.environ.setdefault("MASTER_PORT", "0")  # (0: any free port; plain python only)
+    device = common.choose_device(args.device, local_rank, local_ranks)  # cuda:<local_rank>/CPU
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo on CPUs
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)
+    return common.Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
 
 
 def average_gradients(model, world_size):
@@ -32,102 +59,90 @@ def average_gradients(model, world_size):
         param.grad /= world_size
 
 
-def train_one_epoch(model, loader, optimizer, run, plan, meter, prof):
+def train_one_epoch(model, loader, optimizer, run, plan, progress):
     """One pass over the training set; returns the mean training loss."""
     model.train()
-    loss_sum = torch.zeros((), device=run.device)  # kept on the device: no host sync per step
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
     samples = 0
     for images, labels in loader:
         images = images.to(run.device, non_blocking=True)
         labels = labels.to(run.device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
+        # A batch larger than --max-device-batch runs as several micro-batches. Each adds
+        # its share of the batch mean, so the gradients summed over the micro-batches equal
+        # those of the whole batch at once.
         micro_batches = list(zip(images.split(plan.micro_batch), labels.split(plan.micro_batch)))
         for micro_images, micro_labels in micro_batches:
             with run.autocast():
                 loss = F.cross_entropy(model(micro_images), micro_labels)
-            # Each micro-batch adds its share of the batch mean, so the gradients summed over
-            # the micro-batches equal those of the whole batch at once.
             (loss * len(micro_labels) / len(labels)).backward()
             loss_sum += loss.detach() * len(micro_labels)
         average_gradients(model, run.world_size)  # once per step, after all micro-batches
         optimizer.step()
         samples += len(labels)
-        meter.step(len(labels))
-        prof.step()
+        progress.step(loss_sum, len(labels), samples)
     totals = torch.tensor([loss_sum.item(), samples], dtype=torch.float64, device=run.device)
     dist.all_reduce(totals)  # the mean over every rank's samples, not rank 0's alone
     return (totals[0] / totals[1]).item()
 
 
-@torch.no_grad()
 def evaluate(model, loader, run):
-    """Loss and accuracy over the whole test set: each rank scores its shard, then the sums
-    (loss, correct, count) are added up over all ranks."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
-    for images, labels in loader:
-        images = images.to(run.device, non_blocking=True)
-        labels = labels.to(run.device, non_blocking=True)
-        with run.autocast():
-            logits = model(images)
-        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
-        totals[2] += len(labels)
-    dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"loss": loss_sum / count, "accuracy": correct / count,
-            "correct": int(correct), "samples": int(count)}
+    """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
+    correct answers, samples), then the sums are added up over all ranks."""
+    sums = metrics.test_sums(model, loader, run)
+    dist.all_reduce(sums)
+    return metrics.test_results(sums)
 
 
 def main():
-    args = common.argument_parser(__doc__, __file__).parse_args()
-    run = common.setup(args, distributed=True)
-    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch)
+    args = flags.parser(__doc__, __file__).parse_args()  # every flag is checked here
+    run = setup(args)
+    train_set, test_set = data.load_datasets(args, run, download=run.is_main)
+    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
+                               len(train_set))
     common.announce(run, args, plan, __file__)
-
-    train_set, test_set = common.load_datasets(args, run, download=run.is_main)
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
     # rank on: disjoint shares that together cover the set. When the set does not divide,
     # the sampler pads with repeats so all ranks run the same number of steps.
     train_sampler = DistributedSampler(train_set, num_replicas=run.world_size, rank=run.rank,
                                        shuffle=True, seed=args.seed)
-    train_loader = common.make_loader(train_set, plan.per_rank, run, args,
-                                      seed=args.seed + run.rank, sampler=train_sampler)
+    train_loader = data.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler)
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = common.make_loader(test_shard, 1000, run, args, seed=args.seed + run.rank)
+    test_loader = data.make_loader(test_shard, 1000, run, args)
 
-    model = common.build_model(args, seed=args.seed + run.rank).to(run.device)  # differs per rank
+    model = build_model(args, seed=args.seed + run.rank).to(run.device)  # differs per rank
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)  # ... until rank 0's weights are copied to every rank
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     start_epoch = 0
     if args.resume:
-        start_epoch = common.resume(args.resume, run, model, optimizer, scheduler,
-                                    train_loader.generator)["epoch"]
+        start_epoch = checkpoint.restore(args.resume, run, model, optimizer, scheduler)["epoch"]
 
-    metrics, meter, test = common.Metrics(run, args.out_dir), common.Throughput(run), None
-    with common.profiler(args, run) as prof:
+    results, test = metrics.Metrics(run, args.out_dir), None
+    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
+            # Shuffling and dropout draw from these numbers alone, so a run resumed at this
+            # epoch draws exactly what an uninterrupted run drew.
+            common.seed_everything(args.seed, epoch, run.rank)  # rank: its own dropout masks
             train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-            meter.start_epoch()
-            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, meter, prof)
-            samples_per_sec = meter.end_epoch()
+            progress.start_epoch(epoch)
+            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, progress)
+            samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             test = evaluate(model, test_loader, run)
-            metrics.epoch(epoch, train_loss, test, samples_per_sec, lr)
-
-            rng_states = common.gather_rng_states(run, train_loader.generator)  # every rank's
+            results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if run.is_main:  # all ranks hold the same weights: one writer is enough
-                common.save_checkpoint(args.out_dir / "checkpoint.pt", model, optimizer,
-                                       scheduler, epoch + 1, rng_states)
+                checkpoint.save(args.out_dir / "checkpoint.pt", model, optimizer, scheduler,
+                                epoch + 1)
             dist.barrier()  # no rank may read the checkpoint before it is complete
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(model, test_loader, run)
-    metrics.summary(__file__, args, plan, test, meter)
+    results.summary(__file__, args, plan, test, progress)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

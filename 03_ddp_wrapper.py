@@ -1,131 +1,171 @@
 """Step 03: the DistributedDataParallel wrapper replaces the hand-written sync of step 02.
 
-`DDP(model)` does what step 02 wrote out, and does it faster:
-  - it broadcasts rank 0's weights when it wraps the model (our per-rank seeds no longer matter);
-  - it all-reduces and averages gradients *during* backward(): gradients are grouped into
-    ~25 MB buckets, and a bucket is sent as soon as all its gradients are ready, so
-    communication overlaps the rest of the backward pass instead of following it;
-  - `no_sync()` skips the all-reduce on micro-batches that only accumulate gradients.
-Everything else (sampler, evaluation, rank-0 checkpoints) is step 02 unchanged.
+`DDP(model)` broadcasts rank 0's weights when it wraps the model, and all-reduces and averages
+gradients *during* backward(): they go into buckets, and a bucket is sent as soon as all its
+gradients are ready, so communication overlaps the rest of the backward pass instead of
+following it. `no_sync()` skips the all-reduce on micro-batches that only accumulate.
 
 Run it:
-    torchrun --standalone --nproc-per-node 2 03_ddp_wrapper.py           # 2 CPU processes or GPUs
-    python 03_ddp_wrapper.py                                             # a world of one
+    torchrun --standalone --nproc-per-node 2 03_ddp_wrapper.py
+    torchrun --standalone --nproc-per-node 2 03_ddp_wrapper.py --bucket-cap-mb 0.05
 
-Look for: the same losses as step 02 for the same seed (diff the two summary.json files), and
-higher samples/s than step 02 once the model is large enough for communication to matter.
+Look for: the losses of step 02 for the same seed, and after the first epoch the buckets DDP
+built: which parameters, in which order, how large.
+
+Read also: common.py (choose_device, seed_everything, plan_batches), metrics.py (Progress,
+test_sums), checkpoint.py.
 """
+
+import datetime
+import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from contextlib import nullcontext
-
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
+import checkpoint
 import common
+import data
+import flags
+import metrics
+from model import build_model
 
 
-def train_one_epoch(model, loader, optimizer, run, plan, meter, prof):
+def setup(args):
+    """Join the process group: every rank calls this, and it returns once all have."""
+    # torchrun starts one copy of this script per process and tells each who it is.
+    # Plain `python` sets nothing: a world of one, which meets itself on this machine.
+    rank = int(os.environ.get("RANK", 0))  # 0 .. world_size-1
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # which process on this machine
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the group's store is hosted
+    os.environ.setdefault("MASTER_PORT", "0")  # (0: any free port; plain python only)
+    device = common.choose_device(args.device, local_rank, local_ranks)  # cuda:<local_rank>/CPU
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo on CPUs
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)
+    return common.Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
+
+
+def train_one_epoch(model, loader, optimizer, run, plan, progress):
     """One pass over the training set; returns the mean training loss."""
     model.train()
-    loss_sum = torch.zeros((), device=run.device)  # kept on the device: no host sync per step
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
     samples = 0
     for images, labels in loader:
         images = images.to(run.device, non_blocking=True)
         labels = labels.to(run.device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
+        # A batch larger than --max-device-batch runs as several micro-batches. Each adds
+        # its share of the batch mean, so the gradients summed over the micro-batches equal
+        # those of the whole batch at once.
         micro_batches = list(zip(images.split(plan.micro_batch), labels.split(plan.micro_batch)))
         for i, (micro_images, micro_labels) in enumerate(micro_batches):
             # DDP all-reduces in every backward(); only the last micro-batch needs it.
-            last = i == len(micro_batches) - 1
-            with nullcontext() if last else model.no_sync():
+            with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
                 with run.autocast():
                     loss = F.cross_entropy(model(micro_images), micro_labels)
-                # Each micro-batch adds its share of the batch mean, so the gradients summed
-                # over the micro-batches equal those of the whole batch at once.
                 (loss * len(micro_labels) / len(labels)).backward()
             loss_sum += loss.detach() * len(micro_labels)
         optimizer.step()
         samples += len(labels)
-        meter.step(len(labels))
-        prof.step()
+        progress.step(loss_sum, len(labels), samples)
     totals = torch.tensor([loss_sum.item(), samples], dtype=torch.float64, device=run.device)
     dist.all_reduce(totals)  # the mean over every rank's samples, not rank 0's alone
     return (totals[0] / totals[1]).item()
 
 
-@torch.no_grad()
 def evaluate(model, loader, run):
-    """Loss and accuracy over the whole test set: each rank scores its shard, then the sums
-    (loss, correct, count) are added up over all ranks."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
-    for images, labels in loader:
-        images = images.to(run.device, non_blocking=True)
-        labels = labels.to(run.device, non_blocking=True)
-        with run.autocast():
-            logits = model(images)
-        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
-        totals[2] += len(labels)
-    dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"loss": loss_sum / count, "accuracy": correct / count,
-            "correct": int(correct), "samples": int(count)}
+    """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
+    correct answers, samples), then the sums are added up over all ranks."""
+    sums = metrics.test_sums(model, loader, run)
+    dist.all_reduce(sums)
+    return metrics.test_results(sums)
+
+
+def describe_buckets(model) -> str:
+    """DDP's gradient buckets, each one all-reduce. After its first steps DDP rebuilds them in
+    the order gradients became ready in backward (last layer first); a bucket closes once it
+    holds more than its cap: 1 MiB for the first, so communication starts early, 25 MiB for
+    the rest (--bucket-cap-mb sets both). _get_ddp_logging_data: DDP's own report."""
+    info = model._get_ddp_logging_data()
+    if not info.get("has_rebuilt_buckets"):  # a world of one never rebuilds
+        return f"DDP: one bucket of {int(info['bucket_sizes']) / 2**20:.2f} MiB"
+    names = [name for name, _ in model.module.named_parameters()]
+    buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
+                  info["rebuilt_per_bucket_param_indices"].split(", "))
+    return "DDP's gradient buckets, in the order they are all-reduced:\n" + "\n".join(
+        f"  bucket {i}: {int(size) / 2**20:.3f} MiB: "
+        f"{', '.join(names[int(p)] for p in indices.split())}"
+        for i, (size, indices) in enumerate(buckets))
 
 
 def main():
-    args = common.argument_parser(__doc__, __file__).parse_args()
-    run = common.setup(args, distributed=True)
-    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch)
+    parser = flags.parser(__doc__, __file__)
+    parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),
+                        metavar="MB", help="DDP's bucket size (default: 1 MiB for the first "
+                        "bucket, 25 MiB for the others; a value sets all of them)")
+    args = parser.parse_args()  # every flag is checked here
+    run = setup(args)
+    train_set, test_set = data.load_datasets(args, run, download=run.is_main)
+    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
+                               len(train_set))
     common.announce(run, args, plan, __file__)
-
-    train_set, test_set = common.load_datasets(args, run, download=run.is_main)
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
     # rank on: disjoint shares that together cover the set. When the set does not divide,
     # the sampler pads with repeats so all ranks run the same number of steps.
     train_sampler = DistributedSampler(train_set, num_replicas=run.world_size, rank=run.rank,
                                        shuffle=True, seed=args.seed)
-    train_loader = common.make_loader(train_set, plan.per_rank, run, args,
-                                      seed=args.seed + run.rank, sampler=train_sampler)
+    train_loader = data.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler)
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = common.make_loader(test_shard, 1000, run, args, seed=args.seed + run.rank)
+    test_loader = data.make_loader(test_shard, 1000, run, args)
 
-    raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
+    raw_model = build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
     # device_ids: the one GPU this rank drives (None on the CPU).
-    model = DDP(raw_model, device_ids=[run.device] if run.device.type == "cuda" else None)
+    model = DDP(raw_model, device_ids=[run.device] if run.device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     start_epoch = 0
     if args.resume:
-        start_epoch = common.resume(args.resume, run, raw_model, optimizer, scheduler,
-                                    train_loader.generator)["epoch"]
+        start_epoch = checkpoint.restore(args.resume, run, raw_model, optimizer,
+                                         scheduler)["epoch"]
 
-    metrics, meter, test = common.Metrics(run, args.out_dir), common.Throughput(run), None
-    with common.profiler(args, run) as prof:
+    results, test = metrics.Metrics(run, args.out_dir), None
+    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
+            # Shuffling and dropout draw from these numbers alone, so a run resumed at this
+            # epoch draws exactly what an uninterrupted run drew.
+            common.seed_everything(args.seed, epoch, run.rank)  # rank: its own dropout masks
             train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-            meter.start_epoch()
-            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, meter, prof)
-            samples_per_sec = meter.end_epoch()
+            progress.start_epoch(epoch)
+            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, progress)
+            samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             test = evaluate(raw_model, test_loader, run)  # no DDP: eval shards differ in size
-            metrics.epoch(epoch, train_loss, test, samples_per_sec, lr)
-
-            rng_states = common.gather_rng_states(run, train_loader.generator)  # every rank's
+            results.epoch(epoch, train_loss, test, samples_per_sec, lr)
+            if epoch == start_epoch:
+                common.log(run, describe_buckets(model))
             if run.is_main:  # all ranks hold the same weights: one writer is enough
-                common.save_checkpoint(args.out_dir / "checkpoint.pt", raw_model, optimizer,
-                                       scheduler, epoch + 1, rng_states)
+                checkpoint.save(args.out_dir / "checkpoint.pt", raw_model, optimizer,
+                                scheduler, epoch + 1)
             dist.barrier()  # no rank may read the checkpoint before it is complete
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(raw_model, test_loader, run)
-    metrics.summary(__file__, args, plan, test, meter)
+    results.summary(__file__, args, plan, test, progress)
+    del model  # DDP holds the process group: release it before the group is destroyed
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,31 +1,26 @@
 """Step 06: stream the training set from an HDF5 file instead of holding it in memory.
 
-Steps 00-05 hold the whole training set in every rank's memory. Here it lives in one HDF5 file,
-written once ("prepare"), and each rank reads only its share, a few chunks at a time, in
-DataLoader workers that read while the model trains: memory stays flat however large the file.
-The small test set sits in the same file (a prepared file is all a run needs) and is read into
-memory, as before. Stream when the data, times the processes per node, nears the node's RAM, or
-takes minutes to load; data that fits easily (MNIST: 47 MB) trains as fast from memory.
-
-Three rules:
-  - open the file inside each worker, after the fork: one HDF5 handle cannot serve two processes;
-  - read whole chunks: HDF5 reads a whole chunk to get any sample in it, so reading samples one
-    by one (at random) is a hundred times slower;
-  - shuffle twice: the chunk order (the same on every rank, new each epoch), then the samples
-    within a few chunks. Reads stay sequential; batches stay mixed.
+A side trip from step 05 (step 07 builds on 05). The training set lives in one chunked HDF5
+file, written once (`prepare`); each rank reads only its share, a few chunks at a time, in
+DataLoader workers that read while the model trains, so memory stays flat whatever the file's
+size. Three rules: open the file inside each worker (one HDF5 handle cannot serve two
+processes); read whole chunks (HDF5 reads a whole chunk to get any sample in it); shuffle twice,
+the chunk order (the same on every rank, new each epoch) and then samples within a few chunks.
 
 Run it:
     python 06_streaming_h5.py prepare --data mnist               # only write data/mnist.h5
     torchrun --standalone --nproc-per-node 2 06_streaming_h5.py  # prepares the file if missing
-    sbatch slurm/multinode.sh 06_streaming_h5.py --h5 /shared/mnist.h5
 On NFS or Lustre, export HDF5_USE_FILE_LOCKING=FALSE: reading needs no locks, and theirs may fail.
 
-Look for: "<file>: N training samples (streamed, in chunks of C)", then training as in step 05,
-to about the same accuracy.
+Look for: "<file>: N training samples (streamed, in chunks of C)", then step 05's accuracy.
+
+Read also: digits_h5.py (prepare_if_missing, open_checked, stream_ranges, read_rows),
+common.py (setup_distributed).
 """
 
 import argparse
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import h5py
@@ -33,66 +28,71 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from contextlib import nullcontext
-
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import IterableDataset, Subset, get_worker_info
 
+import checkpoint
 import common
+import data
+import digits_h5
+import flags
+import metrics
+from model import build_model
 
 
-def train_one_epoch(model, loader, optimizer, run, plan, meter, prof):
+def use_srun_identity():
+    """`srun python 05_multinode.py` (one task per GPU, no torchrun) tells each process who it
+    is in SLURM's variables: the same numbers under other names. The group then meets at the
+    first node of the job step, at a port derived from the job id."""
+    env = os.environ
+    if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", 1)) < 2:
+        return  # started by torchrun, or by plain python
+    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
+               WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], GROUP_RANK=env["SLURM_NODEID"],
+               LOCAL_WORLD_SIZE=str(common.slurm_tasks_on_this_node()))
+    env.setdefault("MASTER_ADDR", common.slurm_head_address(env["SLURM_STEP_NODELIST"]))
+    env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
+
+
+def train_one_epoch(model, loader, optimizer, run, plan, progress):
     """One pass over the training set; returns the mean training loss."""
     model.train()
-    loss_sum = torch.zeros((), device=run.device)  # kept on the device: no host sync per step
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
     samples = 0
     for images, labels in loader:
         images = images.to(run.device, non_blocking=True)
         labels = labels.to(run.device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
+        # A batch larger than --max-device-batch runs as several micro-batches. Each adds
+        # its share of the batch mean, so the gradients summed over the micro-batches equal
+        # those of the whole batch at once.
         micro_batches = list(zip(images.split(plan.micro_batch), labels.split(plan.micro_batch)))
         for i, (micro_images, micro_labels) in enumerate(micro_batches):
             # DDP all-reduces in every backward(); only the last micro-batch needs it.
-            last = i == len(micro_batches) - 1
-            with nullcontext() if last else model.no_sync():
+            with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
                 with run.autocast():
                     loss = F.cross_entropy(model(micro_images), micro_labels)
-                # Each micro-batch adds its share of the batch mean, so the gradients summed
-                # over the micro-batches equal those of the whole batch at once.
                 (loss * len(micro_labels) / len(labels)).backward()
             loss_sum += loss.detach() * len(micro_labels)
         optimizer.step()
         samples += len(labels)
-        meter.step(len(labels))
-        prof.step()
+        progress.step(loss_sum, len(labels), samples)
     totals = torch.tensor([loss_sum.item(), samples], dtype=torch.float64, device=run.device)
     dist.all_reduce(totals)  # the mean over every rank's samples, not rank 0's alone
     return (totals[0] / totals[1]).item()
 
 
-@torch.no_grad()
 def evaluate(model, loader, run):
-    """Loss and accuracy over the whole test set: each rank scores its shard, then the sums
-    (loss, correct, count) are added up over all ranks."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
-    for images, labels in loader:
-        images = images.to(run.device, non_blocking=True)
-        labels = labels.to(run.device, non_blocking=True)
-        with run.autocast():
-            logits = model(images)
-        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
-        totals[2] += len(labels)
-    dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"loss": loss_sum / count, "accuracy": correct / count,
-            "correct": int(correct), "samples": int(count)}
+    """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
+    correct answers, samples), then the sums are added up over all ranks."""
+    sums = metrics.test_sums(model, loader, run)
+    dist.all_reduce(sums)
+    return metrics.test_results(sums)
 
 
 def report_topology(run):
     """Every rank says where it runs; rank 0 prints one line per rank. Returns the node count."""
-    node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", 0)))
+    node_rank = int(os.environ.get("GROUP_RANK", 0))  # torchrun's name for the node rank
     me = (node_rank, run.hostname, run.rank, run.local_rank, str(run.device))
     everyone = [None] * run.world_size
     dist.all_gather_object(everyone, me)  # a collective: every rank must call it
@@ -123,8 +123,8 @@ class StreamingDigits(IterableDataset):
         if self.steps == 0:
             raise common.UserError(f"{count} training samples do not fill one global batch of "
                                    f"{world_size * batch_size}")
-        # Persistent workers keep their own copy of this object: set_epoch() must write where
-        # they can read it, in shared memory.
+        # Persistent DataLoader workers keep their own copy of this object: set_epoch() must
+        # write where they can read it, in shared memory.
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def set_epoch(self, epoch):
@@ -143,7 +143,8 @@ class StreamingDigits(IterableDataset):
         worker_id, workers = (worker.id, worker.num_workers) if worker else (0, 1)
         first = self.rank * self.steps + worker_id * self.steps // workers
         last = self.rank * self.steps + (worker_id + 1) * self.steps // workers
-        mine = list(self.rows(starts, first * self.batch_size, last * self.batch_size))
+        mine = digits_h5.stream_ranges(starts, self.chunk, self.count,
+                                       first * self.batch_size, last * self.batch_size)
         # 3. Read a few chunks, shuffle what is buffered, yield whole batches, keep the rest.
         rng = np.random.default_rng([self.seed, epoch, first])
         images, labels = np.empty((0, 28, 28), np.uint8), np.empty(0, np.int64)
@@ -156,106 +157,99 @@ class StreamingDigits(IterableDataset):
                 ready = len(labels) // self.batch_size * self.batch_size
                 for k in range(0, ready, self.batch_size):
                     batch = shuffled[k:k + self.batch_size]
-                    yield (common.normalize(torch.from_numpy(images[batch])).unsqueeze(1),
+                    yield (data.normalize(torch.from_numpy(images[batch])).unsqueeze(1),
                            torch.from_numpy(labels[batch]))
                 images, labels = images[shuffled[ready:]], labels[shuffled[ready:]]
 
-    def rows(self, starts, first, last):
-        """The rows at positions first .. last-1 of the stream the chunks form, as (a, b) ranges:
-        whole chunks, except at the two ends."""
-        position = 0
-        for start in starts:
-            end = min(start + self.chunk, self.count)
-            a, b = max(start, start + first - position), min(end, start + last - position)
-            if a < b:
-                yield a, b
-            position += end - start
-
     def read(self, f, ranges):
-        """One sequential read per range."""
-        return (np.concatenate([f["train/images"][a:b] for a, b in ranges]),
-                np.concatenate([f["train/labels"][a:b] for a, b in ranges]).astype(np.int64))
+        return digits_h5.read_rows(self.path, f, ranges)  # one sequential read per range
 
 
 def main():
-    parser = common.argument_parser(__doc__, __file__)
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="torch.compile the DDP model (default: on)")
+    parser = flags.parser(__doc__, __file__)
+    parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),
+                        metavar="MB", help="DDP's bucket size (default: 1 MiB for the first "
+                        "bucket, 25 MiB for the others; a value sets all of them)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="torch.compile the model (default: on GPUs; off on the CPU, "
+                        "where it measured slower for this model: see the README)")
     parser.add_argument("command", nargs="?", choices=["train", "prepare"], default="train",
                         help="prepare: only write the HDF5 file (train prepares it if missing)")
     parser.add_argument("--h5", type=Path, metavar="PATH",
                         help="the HDF5 file (default: <data-dir>/mnist.h5)")
-    parser.add_argument("--h5-chunk", type=int, default=1024, metavar="N",
-                        help="samples per chunk (prepare)")
+    parser.add_argument("--h5-chunk", type=flags.integer(1, what="--h5-chunk"), default=1024,
+                        metavar="N", help="samples per chunk (prepare)")
     parser.add_argument("--h5-compression", choices=["gzip", "lzf"],
                         help="compress chunks (prepare; default: none)")
     parser.set_defaults(num_workers=2)  # workers read the file while the model trains
-    args = parser.parse_args()
+    args = parser.parse_args()  # every flag is checked here
     args.h5 = args.h5 or args.data_dir / "mnist.h5"
-    run = common.setup(args, distributed=True)
-    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch)
-    common.announce(run, args, plan, __file__)
-
+    use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
+    run = common.setup_distributed(args)  # step 02's setup(), now shared
     nodes = report_topology(run)
-    # Global rank 0 writes the file; the others wait at the barrier. This assumes a filesystem
-    # all nodes share (otherwise run `prepare` on every node first). Conversion reads the source
-    # into memory once, as steps 00-05 do; only training streams. The file keeps what --data and
-    # --train/test-samples chose when it was written: delete it to change that.
-    if not common.all_ranks_agree(run, args.h5.is_file()):
-        train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
-        if run.is_main and not args.h5.is_file():
-            common.write_digits_h5(args.h5, train_set, test_set, args.h5_chunk,
-                                   args.h5_compression)
-        dist.barrier()
+    digits_h5.prepare_if_missing(args, run)  # rank 0 writes it from MNIST (or synthetic)
     # `prepare` reads every chunk once to verify it; training checks the file's shape and end.
-    train_count, chunk, test_set = common.open_digits_h5(
+    train_count, chunk, test_set = digits_h5.open_checked(
         args.h5, args.train_samples, args.test_samples, verify_all=args.command == "prepare")
     common.log(run, f"{args.h5}: {train_count} training samples (streamed, in chunks of {chunk}), "
                     f"{len(test_set)} test samples (in memory)")
     if args.command == "prepare":
-        return
+        return dist.destroy_process_group()
+    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
+                               train_count)
+    compiled = args.compile if args.compile is not None else run.device.type == "cuda"
+    common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     train_set = StreamingDigits(args.h5, train_count, chunk, plan.per_rank, run.rank,
                                 run.world_size, args.seed)
     # batch_size=None: the dataset yields whole batches itself.
-    train_loader = common.make_loader(train_set, None, run, args, seed=args.seed + run.rank)
+    train_loader = data.make_loader(train_set, None, run, args)
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = common.make_loader(test_shard, 1000, run, args, seed=args.seed + run.rank)
+    test_loader = data.make_loader(test_shard, 1000, run, args)
 
-    raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
+    raw_model = build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
-    # device_ids: the one GPU this rank drives (None on the CPU).
-    model = DDP(raw_model, device_ids=[run.device] if run.device.type == "cuda" else None)
-    if args.compile:  # after DDP, so that all-reduce still overlaps backward (see the top)
-        model = torch.compile(model)
+    # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
+    # (see the top); evaluation and checkpoints keep using the plain raw_model.
+    model = DDP(torch.compile(raw_model) if compiled else raw_model,
+                device_ids=[run.device] if run.device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     start_epoch = 0
     if args.resume:
-        start_epoch = common.resume(args.resume, run, raw_model, optimizer, scheduler,
-                                    train_loader.generator)["epoch"]
+        start_epoch = checkpoint.restore(args.resume, run, raw_model, optimizer,
+                                         scheduler)["epoch"]
 
-    metrics, meter, test = common.Metrics(run, args.out_dir), common.Throughput(run), None
-    with common.profiler(args, run) as prof:
+    results, test = metrics.Metrics(run, args.out_dir), None
+    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
+            # Shuffling and dropout draw from these numbers alone, so a run resumed at this
+            # epoch draws exactly what an uninterrupted run drew.
+            common.seed_everything(args.seed, epoch, run.rank)  # rank: its own dropout masks
             train_set.set_epoch(epoch)  # a new chunk order each epoch, the same on every rank
-            meter.start_epoch()
-            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, meter, prof)
-            samples_per_sec = meter.end_epoch()
+            progress.start_epoch(epoch)
+            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, progress)
+            samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             test = evaluate(raw_model, test_loader, run)  # no DDP: eval shards differ in size
-            metrics.epoch(epoch, train_loss, test, samples_per_sec, lr)
-
-            rng_states = common.gather_rng_states(run, train_loader.generator)  # every rank's
+            results.epoch(epoch, train_loss, test, samples_per_sec, lr)
+            if epoch == start_epoch:
+                common.log(run, common.describe_buckets(model))  # as in 03
             if run.is_main:  # all ranks hold the same weights: one writer is enough
-                common.save_checkpoint(args.out_dir / "checkpoint.pt", raw_model, optimizer,
-                                       scheduler, epoch + 1, rng_states)
+                checkpoint.save(args.out_dir / "checkpoint.pt", raw_model, optimizer,
+                                scheduler, epoch + 1)
             dist.barrier()  # no rank may read the checkpoint before it is complete
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(raw_model, test_loader, run)
-    metrics.summary(__file__, args, plan, test, meter, nodes=nodes)
+    if progress.first_step_seconds is not None:
+        common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off: warm-up and "
+                        f"compile), then {progress.samples_per_sec or 0:,.0f} samples/s")
+    results.summary(__file__, args, plan, test, progress, nodes=nodes)
+    del model  # DDP holds the process group: release it before the group is destroyed
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,107 +1,109 @@
-"""Step 07: survive failures. A killed rank, a preempted job or a time limit loses minutes, not days.
+"""Step 07: survive failures. A killed rank, a preempted job or a time limit costs minutes.
 
-Three things go wrong on shared clusters, and step 06 handles none of them:
-  - a process dies (a node fails, a GPU errors out, out of memory). `torchrun --max-restarts N`
-    then restarts the whole group (the default is 0: no restart). A restarted process sees
-    TORCHELASTIC_RESTART_COUNT > 0 and continues from the latest checkpoint in --out-dir;
-  - the scheduler wants the node back (preemption) or the time limit nears. SLURM sends SIGTERM
-    (or, with our sbatch templates, the batch script turns its early warning into one); torchrun
-    forwards it to the workers. They agree on one step, save there, exit with code 75 ("try
-    again"), and the requeued job (SLURM_RESTART_COUNT > 0) continues from that checkpoint;
-  - an hour between checkpoints is an hour lost: --checkpoint-every K saves every K steps too.
-A checkpoint records where in the epoch it was taken, and every rank's random state, so a
-resumed run computes exactly what the uninterrupted run would have, provided the world size,
---batch-size and --num-workers stay the same. Checkpoints are renamed into place when complete:
-a kill during a save leaves the previous one intact. A fresh run (no restart count) starts
-fresh; --resume PATH resumes explicitly.
+Built on step 05. A process dies: `torchrun --max-restarts N` restarts the whole group, which
+continues from the newest checkpoint in --out-dir (a lost node comes back by a requeue, or with
+`--nnodes MIN:MAX`). The node is wanted back, or the time limit nears: SLURM sends SIGTERM,
+torchrun forwards it, and the ranks agree on a step, checkpoint there and exit 75 for a requeue.
+A checkpoint (every --checkpoint-every steps, and per epoch) holds the position in the epoch and
+every rank's random state: a resumed run computes exactly what an uninterrupted one would, with
+the same world size, --batch-size and --num-workers.
 
-Run it:
-    torchrun --standalone --nproc-per-node 2 --max-restarts 3 07_fault_tolerance.py \
-        --checkpoint-every 100
-    sbatch slurm/multinode.sh 07_fault_tolerance.py --checkpoint-every 100   # see slurm/*.sh
+Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
+        --max-restarts 3 07_fault_tolerance.py --checkpoint-every 100
+    sbatch slurm/multinode.sh 07_fault_tolerance.py --checkpoint-every 100
 
-Look for: kill one worker (`kill -9 <pid>`) and watch torchrun restart the group and the run
-continue: "resumed ... at step S of epoch E". Send SIGTERM to torchrun and watch the workers stop
-at a checkpoint: "stopping at step S of epoch E (SIGTERM): checkpoint saved".
+Look for: `kill -9` one worker: torchrun restarts the group, "resumed at step S of epoch E".
+SIGTERM to torchrun: "stopping at step S of epoch E (SIGTERM): checkpoint saved".
+
+Read also: fault_tolerance.py (StopRequest, ResumableSampler, rng_state, ignore_sigterm,
+check_restart_store), checkpoint.py (save: atomic; restore).
 """
 
 import argparse
-import itertools
 import os
-import signal
-from pathlib import Path
+from contextlib import nullcontext
 
-import h5py
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from contextlib import nullcontext
-
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import IterableDataset, Subset, get_worker_info
+from torch.utils.data import Subset
 
+import checkpoint
 import common
+import data
+import fault_tolerance
+import flags
+import metrics
+from model import build_model
 
 
-def train_one_epoch(model, loader, optimizer, run, plan, meter, prof, position, after_step):
-    """One pass over the training set, or its rest when `position` (from a checkpoint taken in
-    mid-epoch) says how far it got; returns the mean training loss, or None when
-    `after_step(position)` asked to stop."""
+def use_srun_identity():
+    """`srun python 05_multinode.py` (one task per GPU, no torchrun) tells each process who it
+    is in SLURM's variables: the same numbers under other names. The group then meets at the
+    first node of the job step, at a port derived from the job id."""
+    env = os.environ
+    if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", 1)) < 2:
+        return  # started by torchrun, or by plain python
+    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
+               WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], GROUP_RANK=env["SLURM_NODEID"],
+               LOCAL_WORLD_SIZE=str(common.slurm_tasks_on_this_node()))
+    env.setdefault("MASTER_ADDR", common.slurm_head_address(env["SLURM_STEP_NODELIST"]))
+    env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
+
+
+EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # steps done, and their sums
+
+
+def train_one_epoch(model, loader, optimizer, run, plan, progress, position, rng, after_step):
+    """One pass over the training set, or the rest of it after a mid-epoch checkpoint (its
+    `position` and `rng`); returns the mean training loss, or None when after_step says stop."""
     model.train()
-    done, loss_total, samples = position["step"], position["loss_sum"], position["samples"]
-    loss_sum = torch.tensor(loss_total, device=run.device)  # kept on the device: no host sync
-    # Skip the batches the checkpoint covers: the same seed and epoch give the same batches.
-    for images, labels in itertools.islice(loader, done, None):
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
+    samples, step = 0, position["step"]
+    batches = iter(loader)  # (draws the loader's seed from the RNG the epoch started with)
+    if rng is not None:
+        fault_tolerance.set_rng_state(rng)  # resumed mid-epoch: the checkpoint's random state
+    for images, labels in batches:
         images = images.to(run.device, non_blocking=True)
         labels = labels.to(run.device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
+        # A batch larger than --max-device-batch runs as several micro-batches. Each adds
+        # its share of the batch mean, so the gradients summed over the micro-batches equal
+        # those of the whole batch at once.
         micro_batches = list(zip(images.split(plan.micro_batch), labels.split(plan.micro_batch)))
         for i, (micro_images, micro_labels) in enumerate(micro_batches):
             # DDP all-reduces in every backward(); only the last micro-batch needs it.
-            last = i == len(micro_batches) - 1
-            with nullcontext() if last else model.no_sync():
+            with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
                 with run.autocast():
                     loss = F.cross_entropy(model(micro_images), micro_labels)
-                # Each micro-batch adds its share of the batch mean, so the gradients summed
-                # over the micro-batches equal those of the whole batch at once.
                 (loss * len(micro_labels) / len(labels)).backward()
             loss_sum += loss.detach() * len(micro_labels)
         optimizer.step()
         samples += len(labels)
-        meter.step(len(labels))
-        prof.step()
-        done += 1
-        if after_step({"step": done, "loss_sum": loss_sum, "samples": samples}):
+        progress.step(loss_sum, len(labels), samples)
+        step += 1
+        if after_step(step, loss_sum, samples):
             return None
     totals = torch.tensor([loss_sum.item(), samples], dtype=torch.float64, device=run.device)
     dist.all_reduce(totals)  # the mean over every rank's samples, not rank 0's alone
+    totals += torch.tensor([position["loss_sum"], position["samples"]], dtype=torch.float64,
+                           device=run.device)  # with the sums from before a resume
     return (totals[0] / totals[1]).item()
 
 
-@torch.no_grad()
 def evaluate(model, loader, run):
-    """Loss and accuracy over the whole test set: each rank scores its shard, then the sums
-    (loss, correct, count) are added up over all ranks."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
-    for images, labels in loader:
-        images = images.to(run.device, non_blocking=True)
-        labels = labels.to(run.device, non_blocking=True)
-        with run.autocast():
-            logits = model(images)
-        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
-        totals[2] += len(labels)
-    dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"loss": loss_sum / count, "accuracy": correct / count,
-            "correct": int(correct), "samples": int(count)}
+    """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
+    correct answers, samples), then the sums are added up over all ranks."""
+    sums = metrics.test_sums(model, loader, run)
+    dist.all_reduce(sums)
+    return metrics.test_results(sums)
 
 
 def report_topology(run):
     """Every rank says where it runs; rank 0 prints one line per rank. Returns the node count."""
-    node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", 0)))
+    node_rank = int(os.environ.get("GROUP_RANK", 0))  # torchrun's name for the node rank
     me = (node_rank, run.hostname, run.rank, run.local_rank, str(run.device))
     everyone = [None] * run.world_size
     dist.all_gather_object(everyone, me)  # a collective: every rank must call it
@@ -111,219 +113,123 @@ def report_topology(run):
     return len({node for node, *_ in everyone})
 
 
-class StopRequest:
-    """SIGTERM means "stop soon": SLURM sends it before it cancels, preempts or times out a job
-    (our sbatch templates forward their early warning as one), and torchrun passes it on to its
-    workers. Stopping mid-step would leave nothing to save, so the handler only takes note;
-    the training loop asks `agreed()` between steps."""
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self.note)
-
-    def note(self, signum, frame):
-        self.requested = True
-
-    def agreed(self, run):
-        """True on every rank if any rank was asked: all ranks must stop at the same step, or
-        the ones still training would wait forever in their next all-reduce."""
-        flag = torch.tensor([int(self.requested)], device=run.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # a position: steps done, their sums
-STOP_CHECK_EVERY = 10  # steps between checks: each check is an all-reduce and a host sync
-EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
-
-
-def restarted() -> bool:
-    """True when torchrun restarted this group or SLURM requeued this job."""
-    return any(int(os.environ.get(name, 0)) > 0
-               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-
-
-# The chunk size trades read size against shuffling. A chunk is the unit HDF5 reads (and checks):
-# bigger chunks mean fewer, larger reads (network filesystems like ~1 MB), but the samples of one
-# chunk always land in the same few batches, and each worker holds BUFFER_CHUNKS of them in memory.
-# 1024 MNIST images are 0.8 MB.
-BUFFER_CHUNKS = 4
-
-
-class StreamingDigits(IterableDataset):
-    """The training set, read from the HDF5 file a few chunks at a time, yielded as batches."""
-
-    def __init__(self, path, count, chunk, batch_size, rank, world_size, seed):
-        self.path, self.count, self.chunk, self.batch_size = path, count, chunk, batch_size
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        # Every rank must run the same number of steps, or the all-reduce waits forever for a
-        # rank that stopped early. Policy: drop the remainder (fewer than world_size x batch
-        # samples), a different one each epoch as the chunk order changes. Padding with repeats,
-        # as DistributedSampler does, would count some samples twice and add scattered reads.
-        self.steps = count // (world_size * batch_size)
-        if self.steps == 0:
-            raise common.UserError(f"{count} training samples do not fill one global batch of "
-                                   f"{world_size * batch_size}")
-        # Persistent workers keep their own copy of this object: set_epoch() must write where
-        # they can read it, in shared memory.
-        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
-
-    def set_epoch(self, epoch):
-        self.epoch.fill_(epoch)
-
-    def __len__(self):
-        return self.steps  # batches per epoch on this rank
-
-    def __iter__(self):
-        epoch = int(self.epoch)
-        # 1. The chunks in a new order each epoch, the same on every rank: one stream of samples.
-        starts = np.arange(0, self.count, self.chunk)
-        starts = np.random.default_rng([self.seed, epoch]).permutation(starts)
-        # 2. Rank r takes batches r*steps .. (r+1)*steps-1 of that stream, split over its workers.
-        worker = get_worker_info()  # None without worker processes: this process reads it all
-        worker_id, workers = (worker.id, worker.num_workers) if worker else (0, 1)
-        first = self.rank * self.steps + worker_id * self.steps // workers
-        last = self.rank * self.steps + (worker_id + 1) * self.steps // workers
-        mine = list(self.rows(starts, first * self.batch_size, last * self.batch_size))
-        # 3. Read a few chunks, shuffle what is buffered, yield whole batches, keep the rest.
-        rng = np.random.default_rng([self.seed, epoch, first])
-        images, labels = np.empty((0, 28, 28), np.uint8), np.empty(0, np.int64)
-        with h5py.File(self.path, "r") as f:  # opened here, in the worker, after the fork
-            for i in range(0, len(mine), BUFFER_CHUNKS):
-                new_images, new_labels = self.read(f, mine[i:i + BUFFER_CHUNKS])
-                images = np.concatenate([images, new_images])
-                labels = np.concatenate([labels, new_labels])
-                shuffled = rng.permutation(len(labels))
-                ready = len(labels) // self.batch_size * self.batch_size
-                for k in range(0, ready, self.batch_size):
-                    batch = shuffled[k:k + self.batch_size]
-                    yield (common.normalize(torch.from_numpy(images[batch])).unsqueeze(1),
-                           torch.from_numpy(labels[batch]))
-                images, labels = images[shuffled[ready:]], labels[shuffled[ready:]]
-
-    def rows(self, starts, first, last):
-        """The rows at positions first .. last-1 of the stream the chunks form, as (a, b) ranges:
-        whole chunks, except at the two ends."""
-        position = 0
-        for start in starts:
-            end = min(start + self.chunk, self.count)
-            a, b = max(start, start + first - position), min(end, start + last - position)
-            if a < b:
-                yield a, b
-            position += end - start
-
-    def read(self, f, ranges):
-        """One sequential read per range."""
-        return (np.concatenate([f["train/images"][a:b] for a, b in ranges]),
-                np.concatenate([f["train/labels"][a:b] for a, b in ranges]).astype(np.int64))
-
-
 def main():
-    parser = common.argument_parser(__doc__, __file__)
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="torch.compile the DDP model (default: on)")
-    parser.add_argument("command", nargs="?", choices=["train", "prepare"], default="train",
-                        help="prepare: only write the HDF5 file (train prepares it if missing)")
-    parser.add_argument("--h5", type=Path, metavar="PATH",
-                        help="the HDF5 file (default: <data-dir>/mnist.h5)")
-    parser.add_argument("--h5-chunk", type=int, default=1024, metavar="N",
-                        help="samples per chunk (prepare)")
-    parser.add_argument("--h5-compression", choices=["gzip", "lzf"],
-                        help="compress chunks (prepare; default: none)")
-    parser.set_defaults(num_workers=2)  # workers read the file while the model trains
-    parser.add_argument("--checkpoint-every", type=int, default=100, metavar="K",
+    parser = flags.parser(__doc__, __file__)
+    parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),
+                        metavar="MB", help="DDP's bucket size (default: 1 MiB for the first "
+                        "bucket, 25 MiB for the others; a value sets all of them)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="torch.compile the model (default: on GPUs; off on the CPU, "
+                        "where it measured slower for this model: see the README)")
+    parser.add_argument("--checkpoint-every", type=flags.integer(0, what="--checkpoint-every"),
+                        default=100, metavar="K",
                         help="also checkpoint every K training steps (0: once per epoch only)")
-    args = parser.parse_args()
-    args.h5 = args.h5 or args.data_dir / "mnist.h5"
-    stop = StopRequest()  # before the (slow) setup: a SIGTERM may come at any time
-    run = common.setup(args, distributed=True)
-    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch)
-    common.announce(run, args, plan, __file__)
-
+    args = parser.parse_args()  # every flag is checked here
+    fault_tolerance.check_restart_store()  # a restarted group must not meet at a stale store
+    stop = fault_tolerance.StopRequest()  # before the (slow) setup: SIGTERM may come any time
+    use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
+    run = common.setup_distributed(args)  # step 02's setup(), now shared
     nodes = report_topology(run)
-    # Global rank 0 writes the file; the others wait at the barrier. This assumes a filesystem
-    # all nodes share (otherwise run `prepare` on every node first). Conversion reads the source
-    # into memory once, as steps 00-05 do; only training streams. The file keeps what --data and
-    # --train/test-samples chose when it was written: delete it to change that.
-    if not common.all_ranks_agree(run, args.h5.is_file()):
-        train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
-        if run.is_main and not args.h5.is_file():
-            common.write_digits_h5(args.h5, train_set, test_set, args.h5_chunk,
-                                   args.h5_compression)
-        dist.barrier()
-    # `prepare` reads every chunk once to verify it; training checks the file's shape and end.
-    train_count, chunk, test_set = common.open_digits_h5(
-        args.h5, args.train_samples, args.test_samples, verify_all=args.command == "prepare")
-    common.log(run, f"{args.h5}: {train_count} training samples (streamed, in chunks of {chunk}), "
-                    f"{len(test_set)} test samples (in memory)")
-    if args.command == "prepare":
-        return
-    train_set = StreamingDigits(args.h5, train_count, chunk, plan.per_rank, run.rank,
-                                run.world_size, args.seed)
-    # batch_size=None: the dataset yields whole batches itself.
-    train_loader = common.make_loader(train_set, None, run, args, seed=args.seed + run.rank)
+    # One download per node (its local rank 0): each node may have its own disk. On a shared
+    # filesystem the downloads land in temporary folders and are renamed into place, so two
+    # nodes downloading at once cannot leave a half-written file.
+    train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
+    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
+                               len(train_set))
+    compiled = args.compile if args.compile is not None else run.device.type == "cuda"
+    common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
+    # Every rank shuffles with the same seed, then takes every world_size-th index from its
+    # rank on: disjoint shares that together cover the set. When the set does not divide,
+    # the sampler pads with repeats so all ranks run the same number of steps.
+    train_sampler = fault_tolerance.ResumableSampler(
+        train_set, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=args.seed)
+    train_loader = data.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
+                                    worker_init_fn=fault_tolerance.ignore_sigterm,
+                                    drop_last=True)  # a smaller last batch would recompile
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = common.make_loader(test_shard, 1000, run, args, seed=args.seed + run.rank)
+    test_loader = data.make_loader(test_shard, 1000, run, args)
 
-    raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
+    raw_model = build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
-    # device_ids: the one GPU this rank drives (None on the CPU).
-    model = DDP(raw_model, device_ids=[run.device] if run.device.type == "cuda" else None)
-    if args.compile:  # after DDP, so that all-reduce still overlaps backward (see the top)
-        model = torch.compile(model)
+    # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
+    # (see the top); evaluation and checkpoints keep using the plain raw_model.
+    model = DDP(torch.compile(raw_model) if compiled else raw_model,
+                device_ids=[run.device] if run.device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     latest = args.out_dir / "checkpoint.pt"
-    if args.resume is None and restarted() and latest.is_file():
-        args.resume = latest  # a restarted or requeued run continues; a fresh run starts fresh
-    start_epoch, position = 0, EPOCH_START
+    # Any rank restarted: all resume (an agent restarted only because another node failed
+    # does not count that restart). A fresh run starts fresh.
+    if args.resume is None and common.all_ranks_agree(run, fault_tolerance.restarted(),
+                                                           any_rank=True):
+        args.resume = latest if latest.is_file() else None
+    start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
-        checkpoint = common.resume(args.resume, run, raw_model, optimizer, scheduler,
-                                   train_loader.generator)
-        start_epoch, position = checkpoint["epoch"], checkpoint.get("position") or position
+        saved = checkpoint.restore(args.resume, run, raw_model, optimizer, scheduler)
+        start_epoch, position = saved["epoch"], saved.get("position") or EPOCH_START
+        if "rng" in saved and len(saved["rng"]) == run.world_size and position["step"]:
+            rng = saved["rng"][run.rank]  # each rank its own (their dropout masks differ)
         common.log(run, f"resumed at step {position['step']} of epoch {start_epoch + 1}")
 
-    def save(epochs_done, position=None):
-        rng_states = common.gather_rng_states(run, train_loader.generator)  # every rank's
+    def save(epochs_done, step=0, loss_sum=None, samples=0):
+        """Every rank calls this: the partial sums and RNG states are gathered from all."""
+        sums = torch.tensor([0.0 if loss_sum is None else loss_sum.item(), samples],
+                            dtype=torch.float64, device=run.device)
+        dist.all_reduce(sums)  # the epoch's sums so far, over every rank's samples
+        rng_states = [None] * run.world_size
+        dist.all_gather_object(rng_states, fault_tolerance.rng_state())  # every rank's own
         if run.is_main:  # all ranks hold the same weights: one writer is enough
-            common.save_checkpoint(latest, raw_model, optimizer, scheduler, epochs_done,
-                                   rng_states, position=position)
+            done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
+                    "samples": position["samples"] + int(sums[1].item())}
+            checkpoint.save(latest, raw_model, optimizer, scheduler, epochs_done,
+                            position=done if step else None, rng=rng_states)
         dist.barrier()  # no rank may read the checkpoint before it is complete
 
-    def after_step(position):
-        """Checkpoint every --checkpoint-every steps; on a stop request, checkpoint and stop.
-        (Called from inside the epoch loop below: `epoch` is the epoch being trained.)"""
-        step = position["step"]
-        stopping = step % STOP_CHECK_EVERY == 0 and stop.agreed(run)
+    def after_step(step, loss_sum, samples):
+        """Checkpoint every --checkpoint-every steps; on an agreed stop request, save and stop.
+        (`epoch` is the epoch the loop below is training.)"""
+        stopping = stop.agreed(run)
         if stopping or (args.checkpoint_every and step % args.checkpoint_every == 0):
-            save(epoch, {**position, "loss_sum": position["loss_sum"].item()})
+            progress.check_loss()  # never save a model whose loss went NaN
+            save(epoch, step, loss_sum, samples)
         if stopping:
             common.log(run, f"stopping at step {step} of epoch {epoch + 1} (SIGTERM): "
                             f"checkpoint saved in {latest}")
         return stopping
 
-    metrics, meter, test = common.Metrics(run, args.out_dir), common.Throughput(run), None
-    with common.profiler(args, run) as prof:
+    results, test = metrics.Metrics(run, args.out_dir), None
+    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
-            train_set.set_epoch(epoch)  # a new chunk order each epoch, the same on every rank
-            meter.start_epoch()
-            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, meter, prof,
-                                         position, after_step)
+            # Shuffling and dropout draw from these numbers alone, so a run resumed at this
+            # epoch draws exactly what an uninterrupted run drew.
+            common.seed_everything(args.seed, epoch, run.rank)  # rank: its own dropout masks
+            train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            train_sampler.skip = position["step"] * plan.per_rank  # what a checkpoint covers
+            progress.start_epoch(epoch, steps_done=position["step"])
+            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, progress,
+                                         position, rng, after_step)
             if train_loss is None:  # asked to stop, and checkpointed
-                raise SystemExit(EXIT_STOPPED)
-            position = EPOCH_START  # the next epoch starts at its beginning
-            samples_per_sec = meter.end_epoch()
+                raise SystemExit(fault_tolerance.EXIT_STOPPED)
+            position, rng = EPOCH_START, None  # the next epoch starts at its beginning
+            samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             test = evaluate(raw_model, test_loader, run)  # no DDP: eval shards differ in size
-            metrics.epoch(epoch, train_loss, test, samples_per_sec, lr)
-
+            results.epoch(epoch, train_loss, test, samples_per_sec, lr)
+            if epoch == start_epoch:
+                common.log(run, common.describe_buckets(model))  # as in 03
             save(epoch + 1)
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(raw_model, test_loader, run)
-    metrics.summary(__file__, args, plan, test, meter, nodes=nodes)
+    if progress.first_step_seconds is not None:
+        common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off: warm-up and "
+                        f"compile), then {progress.samples_per_sec or 0:,.0f} samples/s")
+    results.summary(__file__, args, plan, test, progress, nodes=nodes)
+    del model  # DDP holds the process group: release it before the group is destroyed
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ echo "job $SLURM_JOB_ID: nodes ${NODES[*]}, $NPROC workers per node, rendezvous 
 
 # One line per node (--label puts the task number first): SLURM's name for the node, its hostname,
 # the CPU cores this task may use, torch, and the GPUs torch sees. A node missing here, an old
-# torch, "cpus 1" where you asked for more (SRUN_CPUS_PER_TASK), or "cuda False" on a GPU node is
+# torch, "cpus 1" where you asked for more (SLURM 22.05-23.02: SRUN_CPUS_PER_TASK), or "cuda False" on a GPU node is
 # the problem to fix before anything else.
 echo "--- each node: SLURM name, hostname, cores, torch, GPUs"
 srun --label python -c '

@@ -84,8 +84,9 @@ CPUS=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
 THREADS=$((CPUS / NPROC))
 ((THREADS >= 1)) || THREADS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
-# Since SLURM 22.05 srun no longer inherits --cpus-per-task from the job: without this line the
-# torchrun task (and all its workers) would be squeezed onto one core.
+# SLURM 22.05 to 23.02: srun does not inherit --cpus-per-task from the job (23.11 went back to
+# inheriting it and ignores this variable): without this line the torchrun task, and all its
+# workers, would be squeezed onto one core there.
 if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
     export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 fi
@@ -102,17 +103,24 @@ fi
 # A port derived from the job id, so two jobs sharing a node do not pick the same one.
 PORT=$((15000 + SLURM_JOB_ID % 15000))  # 15000-29999: below the ports Linux hands out itself (32768+)
 
+# If you add torchrun --max-restarts: a restarted group must meet at a fresh store, not at the one
+# the dead group left its addresses in (pytorch/pytorch#135712). Harmless without restarts.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
 echo "job $SLURM_JOB_ID: $SLURM_NNODES nodes ($SLURM_JOB_NODELIST) x $NPROC workers," \
     "OMP_NUM_THREADS=$OMP_NUM_THREADS, rendezvous at $HEAD_ADDR:$PORT, running: $*"
 
 # --- Preemption and time limits (step 07). With "--signal=B:USR2@120" turned on (see the top),
-# SLURM sends USR2 to this batch shell 120 s before the time limit. We pass it on as SIGTERM
-# to the job step: torchrun forwards SIGTERM to its workers (a USR2 would kill torchrun itself
-# and orphan them), and step 07's workers agree on a step, checkpoint there and exit. Then the
-# job requeues itself, and the requeued run (SLURM_RESTART_COUNT > 0) resumes from that
-# checkpoint. Other steps would start over: turn --signal on for step 07 only. A preemption by
-# the scheduler sends SIGTERM to the step directly, without this warning (07 saves the same
-# way); whether the job then comes back is the cluster's policy (--requeue asks for it).
+# SLURM sends USR2 to this batch shell 120-180 s before the time limit. We pass it on as SIGTERM
+# to the job step: torchrun forwards SIGTERM to its workers and kills them 30 s later
+# (--shutdown-timeout); step 07's workers agree on a step within about a second, checkpoint
+# there and exit. Then the job requeues itself, and the requeued run (SLURM_RESTART_COUNT > 0)
+# resumes from that checkpoint. Other steps would start over: turn --signal on for step 07 only.
+# (A USR2 sent to torchrun itself kills it and orphans its workers, unless torchrun was started
+# with --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2: it then shuts its workers down
+# with USR2, which 07 does not catch. Hence this shell's trap.) A preemption by the scheduler
+# sends SIGTERM to the step directly, without this warning, then SIGKILL after KillWait (30 s
+# by default); 07 saves the same way, and whether the job comes back is the cluster's policy.
 MAX_REQUEUES=${MAX_REQUEUES:-10}
 checkpoint_and_requeue() {
     echo "$(date +%T) USR2: time limit or preemption near; the workers checkpoint and stop"

@@ -81,11 +81,16 @@ CPUS=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
 THREADS=$((CPUS / NPROC))
 ((THREADS >= 1)) || THREADS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
-# Since SLURM 22.05 srun no longer inherits --cpus-per-task from the job: without this line the
-# torchrun task (and all its workers) would be squeezed onto one core.
+# SLURM 22.05 to 23.02: srun does not inherit --cpus-per-task from the job (23.11 went back to
+# inheriting it and ignores this variable): without this line the torchrun task, and all its
+# workers, would be squeezed onto one core there.
 if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
     export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 fi
+
+# If you add torchrun --max-restarts: a restarted group must meet at a fresh store, not at the one
+# the dead group left its addresses in (pytorch/pytorch#135712). Harmless without restarts.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 echo "job $SLURM_JOB_ID: 1 node ($SLURM_JOB_NODELIST) x $NPROC workers," \
     "OMP_NUM_THREADS=$OMP_NUM_THREADS, running: $*"

@@ -19,7 +19,6 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import common  # noqa: E402
 from synthetic_digits import synthetic_digits  # noqa: E402
 
 TRAIN_SAMPLES, TEST_SAMPLES = 1200, 299  # 299 is prime: it divides over no world size
@@ -102,6 +101,18 @@ def run_step(script: str, args: list, *, nproc: int | None = None, probe_dir: Pa
     return launch(cmd, env=env, check=check, timeout=timeout)
 
 
+def saved_checkpoint(folder: Path) -> tuple[Path, tuple]:
+    """A plain model, optimizer and scheduler, saved as <folder>/checkpoint.pt after "epoch 1"."""
+    import checkpoint
+    from model import Net
+
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = (model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    checkpoint.save(folder / "checkpoint.pt", *state, 1)
+    return folder / "checkpoint.pt", state
+
+
 def read_summary(out_dir: Path) -> dict:
     return json.loads((out_dir / "summary.json").read_text())
 
@@ -125,3 +136,17 @@ def assert_no_traceback(proc: subprocess.CompletedProcess) -> None:
         assert not ours, output[-3000:]
     else:
         assert "Traceback" not in output, output[-3000:]
+
+
+# Steps 07 and 08, 2 epochs of 20 steps (960 samples, global batch 48), a checkpoint every 4.
+RESTART_ARGS = ["--data", "mnist", "--train-samples", 960, "--batch-size", 48, "--epochs", 2,
+                "--checkpoint-every", 4]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_07(mnist_root, tmp_path_factory) -> Path:
+    """Step 07 on 2 ranks, never interrupted: what every restart test and step 08 must equal."""
+    out = tmp_path_factory.mktemp("uninterrupted_07")
+    run_step("07_fault_tolerance.py", [*RESTART_ARGS, "--data-dir", mnist_root, "--out-dir", out],
+             nproc=2, probe_dir=out / "probe")
+    return out

@@ -11,7 +11,11 @@ Two failures on request:
 - PROBE_KILL=<rank>:<step>: that rank SIGKILLs itself after its <step>-th optimizer step, in the
   first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a crashed node would;
 - PROBE_STALL=<rank>: that rank stops answering after its first step (sleeps an hour), as a rank
-  stuck in I/O or a deadlock would; the others wait in their next all-reduce until --timeout.
+  stuck in I/O or a deadlock would; the others wait in their next all-reduce until --timeout;
+- PROBE_NAN=<rank>:<step>: after its <step>-th optimizer step that rank sets its first weight to
+  NaN, as an overflow would, so that its next loss is NaN;
+- PROBE_KILL_SAVE=<rank>:<n>: that rank SIGKILLs itself while it writes its shards of the n-th
+  DCP checkpoint (step 08), in the first attempt only.
 """
 
 import os
@@ -26,12 +30,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+import data  # noqa: E402
 
 seen = {"steps": 0}
 fetched = defaultdict(list)
 rank = os.environ.get("RANK", "0")
 kill_rank, _, kill_step = os.environ.get("PROBE_KILL", "-1:0").partition(":")
+nan_rank, _, nan_step = os.environ.get("PROBE_NAN", "-1:0").partition(":")
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
@@ -41,11 +46,28 @@ def after_optimizer_step(optimizer, args, kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == os.environ.get("PROBE_STALL"):
         time.sleep(3600)
+    if rank == nan_rank and seen["steps"] == int(nan_step):
+        with torch.no_grad():
+            optimizer.param_groups[0]["params"][0].fill_(float("nan"))
 
 
 register_optimizer_step_post_hook(after_optimizer_step)
 
-original_getitems = common.Digits.__getitems__
+save_rank, _, save_number = os.environ.get("PROBE_KILL_SAVE", "-1:0").partition(":")
+if first_attempt and rank == save_rank:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    original_write = FileSystemWriter.write_data
+
+    def dying_write(self, plan, planner):
+        seen["saves"] = seen.get("saves", 0) + 1
+        if seen["saves"] == int(save_number):
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-save: its shards are never written
+        return original_write(self, plan, planner)
+
+    FileSystemWriter.write_data = dying_write
+
+original_getitems = data.Digits.__getitems__
 
 
 def recording_getitems(self, indices):
@@ -53,14 +75,16 @@ def recording_getitems(self, indices):
     return original_getitems(self, indices)
 
 
-common.Digits.__getitems__ = recording_getitems
+data.Digits.__getitems__ = recording_getitems
 
 script, *script_args = sys.argv[1:]
 sys.argv = [script, *script_args]
 try:
     runpy.run_path(script, run_name="__main__")
 finally:
-    params = [p.detach().cpu().clone() for group in seen["opt"].param_groups
-              for p in group["params"]] if "opt" in seen else []
+    # (Under FSDP2 a parameter is a DTensor: this rank's shard is what it holds.)
+    params = [(p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
+              for group in seen["opt"].param_groups for p in group["params"]] \
+        if "opt" in seen else []
     torch.save({"params": params, "indices": dict(fetched)},
                Path(os.environ["PROBE_DIR"]) / f"rank{rank}.pt")

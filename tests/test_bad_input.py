@@ -1,14 +1,24 @@
 """Issue 16: bad input gets one clear line on stderr (rank 0 only) and a non-zero exit, with
 nothing half-written; a stalled peer fails the run within --timeout instead of hanging.
 
-These checks live in common.py, so every training step has them; each case runs the step a
-user would most likely run it with, as plain python where the case allows (cheaper).
+The flag checks live in flags.py, the data checks in data.py and digits_h5.py, the checkpoint
+checks in checkpoint.py, so every training step has them; each case runs the step a user would
+most likely run it with, as plain python where the case allows (cheaper).
 """
+
+import errno
+import os
+import re
+import runpy
+import sys
 
 import pytest
 import torch
 
-from conftest import assert_no_traceback, run_step
+import checkpoint
+import common
+import data
+from conftest import REPO, assert_no_traceback, run_step, saved_checkpoint, write_idx
 
 TINY = ["--data", "synthetic", "--train-samples", 96, "--test-samples", 50, "--batch-size", 48,
         "--epochs", 1]
@@ -102,3 +112,156 @@ def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):
     assert proc.returncode != 0, proc.stdout[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 0:")]
     assert errors and "timed out" in errors[0] and "stalled" in errors[0], proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- every flag, checked first
+STEPS = {"00": "00_single_gpu.py", "01": "01_torch_dist_allreduce.py", "02": "02_manual_ddp.py",
+         "03": "03_ddp_wrapper.py", "04": "04_ddp_compile.py", "05": "05_multinode.py",
+         "06": "06_streaming_h5.py", "07": "07_fault_tolerance.py"}
+BAD_FLAGS = [  # (step, arguments, what the one line must say)
+    *[(step, ["--epochs", value], "--epochs") for step in ("00", "03") for value in ("0", "-1")],
+    ("00", ["--epochs", "1.5"], "not a whole number"),
+    ("02", ["--batch-size", "0"], "--batch-size must be at least 1"),
+    ("00", ["--batch-size", "-64"], "--batch-size must be at least 1"),
+    ("00", ["--max-device-batch", "0"], "--max-device-batch must be at least 1"),
+    *[("00", [f"--lr={value}"], "--lr must be a finite number above 0")
+      for value in ("0", "-0.1", "nan", "inf", "-inf")],
+    ("03", ["--lr", "fast"], "not a number"),
+    ("00", ["--seed", "-1"], "--seed must be from 0 to 4294967295"),
+    ("05", ["--seed", str(2**32)], "--seed must be from 0 to 4294967295"),
+    ("00", ["--train-samples", "0"], "--train-samples must be at least 1"),
+    ("00", ["--test-samples", "-3"], "--test-samples must be at least 1"),
+    ("00", ["--num-workers", "-1"], "--num-workers must be from 0 to 64"),
+    ("03", ["--num-workers", "1000"], "--num-workers must be from 0 to 64"),
+    *[("03", ["--timeout", value], "--timeout must be a finite number above 0")
+      for value in ("0", "nan", "inf", "-5")],
+    ("00", ["--width", "0"], "--width must be from 1 to 64"),
+    ("00", ["--device", "gpu"], "invalid choice: 'gpu'"),
+    ("00", ["--data", "imagenet"], "invalid choice: 'imagenet'"),
+    ("00", ["--resume", "/nonexistent/checkpoint.pt"], "does not exist"),
+    ("03", ["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a finite number above 0"),
+    ("04", ["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a finite number above 0"),
+    ("06", ["--h5-chunk", "0"], "--h5-chunk must be at least 1"),
+    ("06", ["--h5-compression", "zip"], "invalid choice: 'zip'"),
+    ("07", ["--checkpoint-every", "-1"], "--checkpoint-every must be at least 0"),
+    ("01", ["--max-mb", "0"], "--max-mb must be from 1 to 4096"),
+]
+
+
+@pytest.mark.parametrize("step, arguments, expected", BAD_FLAGS,
+                         ids=[f"{s}{' '.join(a)}" for s, a, _ in BAD_FLAGS])
+def test_every_bad_flag_is_one_line_before_any_work(step, arguments, expected, tmp_path,
+                                                    monkeypatch, capsys):
+    """The step's real main(), in this process (a subprocess per case would cost a torch import
+    each): the command line is checked first, so nothing else may run."""
+    def no_work(*args, **kwargs):
+        raise AssertionError(f"{arguments} got past the flag checks")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", no_work)
+    monkeypatch.setattr(data, "load_datasets", no_work)
+    monkeypatch.setattr(sys, "argv", [STEPS[step], *arguments, "--out-dir", str(tmp_path)]
+                        if step != "01" else [STEPS[step], *arguments])
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / STEPS[step]), run_name="__main__")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert expected in err and "Traceback" not in err, err
+
+
+def test_an_unwritable_out_dir_is_refused_when_parsed(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setattr(sys, "argv", ["00_single_gpu.py", "--out-dir", str(blocker / "run")])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "00_single_gpu.py"), run_name="__main__")
+    assert exit_.value.code == 2 and "cannot create" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- a loss that diverges
+def test_a_nan_loss_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(mnist_root,
+                                                                             tmp_path):
+    """Rank 1's weights turn NaN after step 25 (step 5 of epoch 2, 20 steps per epoch): its
+    loss at step 6 of epoch 2 is NaN. Every rank stops at the next check, and the checkpoint
+    of epoch 1 stays as it was."""
+    proc = run_step("03_ddp_wrapper.py", ["--data", "mnist", "--data-dir", mnist_root,
+                                          "--train-samples", 960, "--batch-size", 48,
+                                          "--epochs", 2, "--out-dir", tmp_path],
+                    nproc=2, probe_dir=tmp_path / "probe", env_extra={"PROBE_NAN": "1:25"},
+                    check=False)
+    expect_one_error_line(proc, "NaN or infinite at step 6 of epoch 2 on rank 1",
+                          "lower --lr")
+    # torchrun exits 1 when a worker fails, and reports the workers' own exit code: 2.
+    assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-2000:]
+    saved = checkpoint.load(tmp_path / "checkpoint.pt")  # loads: finite weights
+    assert saved["epoch"] == 1
+    assert not (tmp_path / "summary.json").exists()
+
+
+# ---------------------------------------------------------------- files that are not ours
+def save_and_load(tmp_path, content):
+    torch.save(content, tmp_path / "c.pt")
+    return checkpoint.load(tmp_path / "c.pt")
+
+
+@pytest.mark.parametrize("content, expected", [
+    (torch.zeros(3), "holds a Tensor, not a checkpoint"),
+    ({"model": {}, "optimizer": {}, "scheduler": {}}, "its 'epoch' is NoneType, expected int"),
+    ({"model": [1, 2], "optimizer": {}, "scheduler": {}, "epoch": 1}, "its 'model' is list"),
+    ({"model": {"w": "weights"}, "optimizer": {}, "scheduler": {}, "epoch": 1},
+     "holds something other than tensors"),
+    ({"model": {"w": torch.tensor([1.0, float("inf")])}, "optimizer": {}, "scheduler": {},
+      "epoch": 1}, "NaN or infinite weights"),
+])
+def test_a_checkpoint_that_is_not_ours_is_one_clear_error(tmp_path, content, expected):
+    with pytest.raises(common.UserError, match=expected) as error:
+        save_and_load(tmp_path, content)
+    assert "\n" not in str(error.value)
+
+
+def test_a_failed_save_says_so_removes_its_temporary_and_keeps_the_old_one(tmp_path,
+                                                                          monkeypatch):
+    path, state = saved_checkpoint(tmp_path)  # epoch 1
+
+    def disk_full(state, f):
+        f.write(b"PK\x03\x04 the first bytes")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(common.UserError, match="No space left on device; the previous "
+                                                "checkpoint is unchanged"):
+        checkpoint.save(path, *state, 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left
+    monkeypatch.undo()
+    assert checkpoint.load(path)["epoch"] == 1
+
+
+def write_mnist(root, images, labels, test_images=None, test_labels=None):
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    write_idx(raw / "train-images-idx3-ubyte", images)
+    write_idx(raw / "train-labels-idx1-ubyte", labels)
+    write_idx(raw / "t10k-images-idx3-ubyte", images if test_images is None else test_images)
+    write_idx(raw / "t10k-labels-idx1-ubyte", labels if test_labels is None else test_labels)
+    return root
+
+
+@pytest.mark.parametrize("defect, expected", [
+    ("labels outside 0-9", "labels from 0 to 12; digits are 0-9"),
+    ("fewer labels than images", "has 20 images but (18,) labels"),
+    ("32 x 32 images", "holds (20, 32, 32) torch.uint8 images, expected N x 28 x 28"),
+])
+def test_mnist_files_that_make_no_sense_are_one_clear_error(tmp_path, defect, expected):
+    images = torch.randint(0, 255, (20, 28, 28), dtype=torch.uint8)
+    labels = torch.arange(20) % 10
+    if defect == "labels outside 0-9":
+        labels = torch.arange(20) % 13
+    elif defect == "fewer labels than images":
+        labels = labels[:18]
+    else:
+        images = torch.randint(0, 255, (20, 32, 32), dtype=torch.uint8)
+    root = write_mnist(tmp_path, images, labels)
+    with pytest.raises(common.UserError, match=re.escape(expected)) as error:
+        data.read_mnist(root)
+    assert str(root / "MNIST" / "raw") in str(error.value)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+from model import Net
 from synthetic_digits import synthetic_digits
 from conftest import (TRAIN_SAMPLES, assert_no_traceback, read_summary, run_step,
                       torchrun_cmd, launch)
@@ -29,8 +30,9 @@ def test_00_trains_on_mnist_files_through_torchvision(mnist_root, tmp_path):
 
     checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
     assert checkpoint["epoch"] == 2
-    assert set(checkpoint["model"]) == set(common.Net().state_dict())
-    assert {"optimizer", "scheduler", "rng"} <= set(checkpoint)
+    assert set(checkpoint["model"]) == set(Net().state_dict())
+    # (Exact resumes come from seeding every epoch; every rank's RNG state is step 07's.)
+    assert set(checkpoint) == {"model", "optimizer", "scheduler", "epoch"}
     assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
 
 

@@ -55,3 +55,35 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
                               rank_params(one_node / "probe", rank)) == 0.0
     assert summary["train_losses"] == alone["train_losses"]
     assert summary["test_correct"] == alone["test_correct"]
+
+
+def test_a_rank_killed_on_one_of_two_agents_restarts_both_and_ends_exactly(mnist_root,
+                                                                          tmp_path):
+    """Step 07 across two agents with --max-restarts 1: rank 1 (on one "node") is SIGKILLed
+    mid-epoch. Its agent restarts and counts the restart; the other agent restarts too, for a
+    member that left, and does not count it (TORCHELASTIC_RESTART_COUNT stays 0 there). Both
+    groups must still resume from the same checkpoint and end as an uninterrupted run."""
+    args = [*ARGS, "--checkpoint-every", 4, "--epochs", 2]  # 10 steps per epoch
+    out = tmp_path / "killed"
+    (out / "probe").mkdir(parents=True)
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+             "--rdzv-id", "killed", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+             "tests/rank_probe.py", "07_fault_tolerance.py", *map(str, args),
+             "--data-dir", str(mnist_root), "--out-dir", str(out)]
+    env = base_env(PROBE_DIR=out / "probe", OMP_NUM_THREADS=1, PROBE_KILL="1:15",
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    nodes = [subprocess.Popen(agent, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)
+    # Killed after step 15 = step 5 of epoch 2; the last checkpoint was at step 4 of epoch 2.
+    assert "resumed at step 4 of epoch 2" in "".join(outputs)
+
+    reference = tmp_path / "uninterrupted"
+    run_step("07_fault_tolerance.py", [*args, "--data-dir", mnist_root, "--out-dir", reference],
+             nproc=2, probe_dir=reference / "probe", env_extra={"OMP_NUM_THREADS": 1})
+    for rank in (0, 1):
+        assert max_difference(rank_params(out / "probe", rank),
+                              rank_params(reference / "probe", rank)) == 0.0
+    assert read_summary(out)["test_correct"] == read_summary(reference)["test_correct"]

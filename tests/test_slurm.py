@@ -131,7 +131,7 @@ def jobs(slurm, tmp_path_factory):
         # (b) One node, the default of 2 CPU workers.
         "singlenode": submit("singlenode", ["slurm/singlenode.sh"],
                              ["03_ddp_wrapper.py", *TINY]),
-        # (c) srun without torchrun, 2 tasks on each of 2 nodes: common.launcher_ranks()
+        # (c) srun without torchrun, 2 tasks on each of 2 nodes: 05's use_srun_identity()
         #     turns SLURM's variables into ranks, and finds the first node's address itself.
         "srun": submit("srun", ["--nodes=2", "--ntasks-per-node=2", "--wrap",
                                 "srun python 05_multinode.py --no-compile "
@@ -211,7 +211,7 @@ def test_usr2_checkpoints_requeues_and_the_job_resumes(slurm, tmp_path):
     out = tmp_path / "out"
     args = ["07_fault_tolerance.py", "--no-compile", "--data", "synthetic", "--train-samples",
             "960", "--test-samples", "100", "--batch-size", "48", "--epochs", "2",
-            "--checkpoint-every", "4", "--num-workers", "0", "--h5", str(tmp_path / "digits.h5"), "--out-dir", str(out)]
+            "--checkpoint-every", "4", "--out-dir", str(out)]
     job = Job(slurm, slurm.sbatch([f"--output={tmp_path}/job.out", "--nodes=2",
                                    "slurm/multinode.sh", *args],
                                   cwd=REPO, env_extra={**CLEAN, "NPROC_PER_NODE": "1",

@@ -15,6 +15,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import common
+import digits_h5
+from data import MNIST_MEAN, MNIST_STD, Digits
 
 from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, launch, read_summary,
                       run_step, torchrun_cmd)
@@ -29,17 +31,17 @@ def step():
 
 
 # ---------------------------------------------------------------- files whose pixels are indices
-def indexed_digits(count: int) -> common.Digits:
+def indexed_digits(count: int) -> Digits:
     """Pixels (0, 0) and (0, 1) hold the sample's index; the label is index % 10."""
     index = torch.arange(count)
     images = torch.zeros(count, 28, 28, dtype=torch.uint8)
     images[:, 0, 0], images[:, 0, 1] = (index % 256).to(torch.uint8), (index // 256).to(torch.uint8)
-    return common.Digits(images, index % 10)
+    return Digits(images, index % 10)
 
 
 def decode(images: torch.Tensor, labels: torch.Tensor) -> list[int]:
     """The indices in a yielded batch; checks that every label still belongs to its image."""
-    pixels = ((images[:, 0, 0, :2] * common.MNIST_STD + common.MNIST_MEAN) * 255).round().long()
+    pixels = ((images[:, 0, 0, :2] * MNIST_STD + MNIST_MEAN) * 255).round().long()
     index = pixels[:, 0] + 256 * pixels[:, 1]
     assert torch.equal(labels, index % 10), "labels and images were separated"
     return index.tolist()
@@ -48,7 +50,7 @@ def decode(images: torch.Tensor, labels: torch.Tensor) -> list[int]:
 @pytest.fixture(scope="module")
 def indexed_file(step, tmp_path_factory):
     path = tmp_path_factory.mktemp("indexed") / "digits.h5"
-    common.write_digits_h5(path, indexed_digits(1000), indexed_digits(50), chunk=64, compression=None)
+    digits_h5.write(path, indexed_digits(1000), indexed_digits(50), chunk=64, compression=None)
     return path
 
 
@@ -158,7 +160,7 @@ def test_a_bad_file_is_one_clear_error_before_training(step, indexed_file, tmp_p
     path = damaged(kind, indexed_file, tmp_path / "bad.h5")
     with pytest.raises(common.UserError) as error:
         # `prepare` reads every chunk; training checks shapes, types and the end of the file
-        common.open_digits_h5(path, None, None, verify_all=kind == "corrupt chunk")
+        digits_h5.open_checked(path, None, None, verify_all=kind == "corrupt chunk")
     message = str(error.value)
     assert str(path) in message and "\n" not in message, message
     expected = {"wrong shape": "expected uint8 8 x 28 x 28", "wrong dtype": "float32 images"}
@@ -177,7 +179,7 @@ def test_an_interrupted_prepare_leaves_no_file(step, tmp_path, monkeypatch):
 
     monkeypatch.setattr(h5py.Group, "create_dataset", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        common.write_digits_h5(tmp_path / "digits.h5", indexed_digits(100), indexed_digits(10), 64, None)
+        digits_h5.write(tmp_path / "digits.h5", indexed_digits(100), indexed_digits(10), 64, None)
     assert len(calls) == 3
     assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
 
@@ -283,7 +285,7 @@ def test_prepare_writes_the_file_and_nothing_else(runs):
     assert list(prepared.out.iterdir()) == []  # no checkpoint, summary or TensorBoard file
     assert [p.name for p in runs["root"].glob(".*")] == []  # no temporary left
     with h5py.File(prepared.path) as f:
-        assert f.attrs["mean"] == common.MNIST_MEAN and f.attrs["std"] == common.MNIST_STD
+        assert f.attrs["mean"] == MNIST_MEAN and f.attrs["std"] == MNIST_STD
         for name, count in [("train", TRAIN_SAMPLES), ("test", 299)]:
             assert f[name].attrs["count"] == count and list(f[name].attrs["shape"]) == [28, 28]
             images = f[name]["images"]
@@ -336,3 +338,29 @@ def test_a_bad_file_stops_the_run_with_one_line_and_no_output(runs, tmp_path):
     assert_no_traceback(proc)
     assert bad.stat().st_size == 100_000  # left as it was: not rebuilt, not removed
     assert list(out.iterdir()) == []  # no summary, checkpoint or TensorBoard file
+
+
+def test_a_chunk_damaged_after_the_checks_stops_training_with_one_line(runs, tmp_path):
+    """The start-up checks read the labels and the last chunk; a chunk damaged elsewhere is
+    found while training, in a DataLoader worker: one line naming the file and the chunk."""
+    bad = damaged("corrupt chunk", runs["prepare"].path, tmp_path / "damaged.h5")
+    proc = run_step(STEP.name, [*COMMON, "--h5", bad, "--epochs", 1, "--num-workers", 2,
+                                "--out-dir", tmp_path / "out"], check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 1, proc.stderr
+    assert f"{bad}: chunk 3 (training rows 192-255) cannot be read" in errors[0], errors[0]
+    assert_no_traceback(proc)
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def test_an_unwritable_place_for_the_file_is_one_line_before_converting(mnist_root, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = run_step(STEP.name, ["prepare", *COMMON, "--data-dir", mnist_root,
+                                "--h5", blocker / "digits.h5", "--out-dir", tmp_path / "out"],
+                    check=False)
+    assert proc.returncode == 2
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 1 and f"cannot create {blocker}" in errors[0], proc.stderr
+    assert_no_traceback(proc)

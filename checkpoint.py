@@ -1,0 +1,94 @@
+"""Checkpoints: written atomically, loaded to the CPU with weights_only=True, checked.
+
+Step 00 first needs it. A checkpoint holds the plain model's weights (no `module.` or
+`_orig_mod.` prefixes, so any step, and a plain `Net`, can load it), the optimizer and
+scheduler, and the number of finished epochs; step 07 adds the position in an epoch and every
+rank's random state.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from common import log
+from errors import UserError
+
+REQUIRED = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int}
+
+
+def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
+    """Write `path` atomically: a temporary file, fsync, then a rename over the old one.
+
+    A crash or a full disk mid-write leaves the previous checkpoint as it was: the rename is
+    atomic on POSIX, and a failed write removes its temporary file.
+    """
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "epoch": epoch, **extra}
+    if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
+        raise UserError(f"the weights became NaN or infinite; not saving them over {path}. "
+                        f"Try a lower --lr")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        raise UserError(f"could not write checkpoint {path}: {err.strerror or err}; the "
+                        f"previous checkpoint is unchanged") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load(path: Path) -> dict:
+    """Load to the CPU, accepting plain tensors and containers only, and check it is ours.
+
+    To the CPU first: `load_state_dict` then copies each tensor to where its parameter lives,
+    and what must stay on the CPU (step 07's RNG states) does.
+    """
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 -- truncated zip, pickle error, ...
+        raise UserError(f"checkpoint {path} is corrupt or not a checkpoint "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"checkpoint {path} holds a {type(checkpoint).__name__}, not a "
+                        f"checkpoint of this tutorial")
+    for key, kind in REQUIRED.items():
+        if not isinstance(checkpoint.get(key), kind):
+            raise UserError(f"checkpoint {path} is not one of this tutorial's: its {key!r} is "
+                            f"{type(checkpoint.get(key)).__name__}, expected {kind.__name__}")
+    weights = checkpoint["model"]
+    if not all(torch.is_tensor(t) for t in weights.values()):
+        raise UserError(f"checkpoint {path} is not one of this tutorial's: its model holds "
+                        f"something other than tensors")
+    if not all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()):
+        raise UserError(f"checkpoint {path} holds NaN or infinite weights; resume from an "
+                        f"earlier one")
+    return checkpoint
+
+
+def restore(path: Path, run, model, optimizer, scheduler) -> dict:
+    """Load a checkpoint into the model, optimizer and scheduler; return it (its "epoch",
+    the number of finished epochs, is where to continue)."""
+    checkpoint = load(path)
+    try:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])  # moves state to the params' device
+        scheduler.load_state_dict(checkpoint["scheduler"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as err:
+        raise UserError(f"checkpoint {path} does not fit this model/optimizer "
+                        f"({str(err).splitlines()[0][:160]})") from None
+    log(run, f"resumed from {path} after epoch {checkpoint['epoch']}")
+    return checkpoint

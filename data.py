@@ -1,0 +1,182 @@
+"""The data: MNIST through torchvision's real reader, or built-in synthetic digits offline.
+
+Step 00 first needs it. Both sets are held in memory as uint8 (47 MB for MNIST) and normalised
+batch by batch; step 06 streams the training set from HDF5 instead (digits_h5.py).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from common import all_ranks_agree
+from errors import UserError
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # pixel statistics of the MNIST training set
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+               "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+class Digits(Dataset):
+    """28x28 digit images held in memory as uint8, normalised as they are fetched."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return normalize(self.images[index]).unsqueeze(0), self.labels[index]
+
+    def __getitems__(self, indices):
+        # The DataLoader asks for a whole batch at once: one indexing op instead of one per
+        # sample keeps the loader far ahead of the GPU without worker processes.
+        images = normalize(self.images[indices]).unsqueeze(1)
+        return list(zip(images, self.labels[indices]))
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> zero-mean, unit-variance floats (MNIST's statistics)."""
+    return (images.float() / 255 - MNIST_MEAN) / MNIST_STD
+
+
+def check_digits(images: torch.Tensor, labels: torch.Tensor, source: str) -> None:
+    """Refuse data that would train on garbage: the wrong shape or type, counts that differ,
+    labels outside 0-9. (`source` names the files in the message.)"""
+    if images.dtype != torch.uint8 or images.dim() != 3 or tuple(images.shape[1:]) != (28, 28):
+        raise UserError(f"{source} holds {tuple(images.shape)} {images.dtype} images, expected "
+                        f"N x 28 x 28 uint8")
+    if labels.dim() != 1 or len(labels) != len(images):
+        raise UserError(f"{source} has {len(images)} images but {tuple(labels.shape)} labels; "
+                        f"they must match one for one")
+    if len(labels) == 0:
+        raise UserError(f"{source} holds no samples")
+    if labels.min() < 0 or labels.max() > 9:
+        raise UserError(f"{source} has labels from {int(labels.min())} to {int(labels.max())}; "
+                        f"digits are 0-9")
+
+
+def load_datasets(args, run, download: bool) -> tuple[Digits, Digits]:
+    """(train, test) as chosen by --data; prefixes when --train/--test-samples are given.
+
+    Only processes with `download=True` fetch MNIST (one per machine, or one in all); the others
+    wait at a barrier and then read the files. Every rank then checks that all ranks found MNIST,
+    so no two ranks ever train on different data.
+    """
+    mnist_dir = args.data_dir / "MNIST" / "raw"
+    if args.data != "synthetic":
+        if download and not mnist_present(mnist_dir):
+            try_download_mnist(args.data_dir)
+        if dist.is_initialized():
+            dist.barrier()
+    use_mnist = args.data != "synthetic" and all_ranks_agree(run, mnist_present(mnist_dir))
+    if args.data == "mnist" and not use_mnist:
+        raise UserError(f"MNIST not found in {mnist_dir} on every rank, and it could not be "
+                        f"downloaded (offline?): copy the four files {', '.join(MNIST_FILES)} "
+                        f"there, or run with --data synthetic")
+    if use_mnist:
+        train, test = read_mnist(args.data_dir)
+    else:
+        if args.data == "auto" and run.is_main:
+            print(f"warning: MNIST not in {mnist_dir} and not downloadable; using built-in "
+                  f"synthetic digits (--data synthetic to silence this)", flush=True)
+        from synthetic_digits import synthetic_digits
+
+        train = Digits(*synthetic_digits(args.train_samples or 60_000, seed=1))
+        test = Digits(*synthetic_digits(args.test_samples or 10_000, seed=2))
+    return prefix(train, args.train_samples), prefix(test, args.test_samples)
+
+
+def prefix(data: Digits, count: int | None) -> Digits:
+    """The first `count` samples (all of them for None)."""
+    if count is None:
+        return data
+    if count > len(data):
+        raise UserError(f"asked for {count} samples, but the dataset has {len(data)}")
+    return Digits(data.images[:count], data.labels[:count])
+
+
+def mnist_present(mnist_dir: Path) -> bool:
+    return all((mnist_dir / name).is_file() for name in MNIST_FILES)
+
+
+def try_download_mnist(data_dir: Path) -> None:
+    """Download MNIST with torchvision if its servers answer within seconds (no long retries
+    when offline). Files land in a temporary folder and are renamed into place, so an
+    interrupted download, or two nodes downloading into one shared folder, leave no half file."""
+    from torchvision.datasets import MNIST  # imported here: torchvision costs ~3 s to import
+
+    hosts = sorted({mirror.split("/")[2] for mirror in MNIST.mirrors})
+    if not any(_reachable(host) for host in hosts):
+        return
+    tmp = data_dir / f".download-{socket.gethostname()}-{os.getpid()}"
+    try:
+        MNIST(tmp, train=True, download=True)
+        MNIST(tmp, train=False, download=True)
+        target = data_dir / "MNIST" / "raw"
+        target.mkdir(parents=True, exist_ok=True)
+        for name in MNIST_FILES:
+            os.replace(tmp / "MNIST" / "raw" / name, target / name)
+    except Exception as err:  # noqa: BLE001 -- any failure means "not downloadable"
+        print(f"warning: MNIST download failed: {err}", file=sys.stderr, flush=True)
+    finally:
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+
+
+def _reachable(host: str, port: int = 443, timeout_s: float = 3.0) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def read_mnist(data_dir: Path) -> tuple[Digits, Digits]:
+    """Read the four IDX files with torchvision's MNIST class (we keep its tensors, not its
+    per-sample PIL conversion, which would make the loader the bottleneck)."""
+    from torchvision.datasets import MNIST
+
+    raw = data_dir / "MNIST" / "raw"
+    try:
+        train = MNIST(data_dir, train=True, download=False)
+        test = MNIST(data_dir, train=False, download=False)
+    except Exception as err:  # noqa: BLE001 -- torchvision raises many kinds for bad files
+        raise UserError(f"could not read MNIST in {raw} ({str(err).splitlines()[0][:120]}); "
+                        f"delete the folder to download it again") from None
+    check_digits(train.data, train.targets, f"MNIST's training files in {raw}")
+    check_digits(test.data, test.targets, f"MNIST's test files in {raw}")
+    return Digits(train.data, train.targets), Digits(test.data, test.targets)
+
+
+def make_loader(dataset, batch_size: int | None, run, args, worker_init_fn=None, **kwargs):
+    """A DataLoader with the settings that matter for speed and reproducibility.
+
+    - pinned host memory on a GPU, so `.to(device, non_blocking=True)` overlaps the copy;
+    - no generator of its own: shuffling and the workers' seeds are drawn from the global RNG,
+      which every step seeds at the start of each epoch (common.seed_everything);
+    - worker_init_fn: seed python and numpy in each worker (torch seeds each differently).
+    """
+    workers = args.num_workers
+    if workers is None:
+        workers = 2 if run.device.type == "cuda" else 0
+    return DataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                      pin_memory=run.device.type == "cuda",
+                      worker_init_fn=worker_init_fn or seed_worker, **kwargs)
+
+
+def seed_worker(worker_id: int) -> None:
+    """Runs in each DataLoader worker as it starts: torch gave every worker its own seed;
+    python's and numpy's RNGs would otherwise repeat the same numbers in every worker."""
+    worker_seed = torch.initial_seed() % 2**32
+    random.seed(worker_seed)
+    np.random.seed(worker_seed)

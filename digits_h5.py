@@ -1,0 +1,145 @@
+"""The HDF5 file step 06 streams from: written once, checked before training.
+
+Step 06 first needs it. One file holds both sets as uint8 (4x smaller than float32), in chunks
+of --h5-chunk samples with a checksum each; it is written under a temporary name and renamed
+when complete, so an interrupted `prepare` leaves no half file and no reader ever sees one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common import all_ranks_agree
+from data import MNIST_MEAN, MNIST_STD, Digits, check_digits, load_datasets
+from errors import UserError
+
+
+def check_writable(path: Path) -> None:
+    """Fail before converting anything when the file could not be written."""
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create {folder} for {path.name}: {err.strerror}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {path}: {folder} is not writable (choose another --h5)")
+
+
+def prepare_if_missing(args, run) -> None:
+    """Write args.h5 from --data when no rank finds it. Global rank 0 writes; the others wait.
+    This assumes a filesystem all nodes share (otherwise run `prepare` on every node first).
+    The conversion reads the source into memory once, as steps 00-05 do; only training streams.
+    The file keeps what --data and --train/test-samples chose: delete it to change that."""
+    if all_ranks_agree(run, args.h5.is_file()):
+        return
+    check_writable(args.h5)  # on every rank, so that rank 0 prints the one line
+    train_set, test_set = load_datasets(args, run, download=run.local_rank == 0)
+    if run.is_main and not args.h5.is_file():
+        write(args.h5, train_set, test_set, args.h5_chunk, args.h5_compression)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def stream_ranges(starts, chunk: int, count: int, first: int, last: int) -> list:
+    """The rows at positions first .. last-1 of the stream that the chunks starting at `starts`
+    (in that order) form, as (a, b) row ranges: whole chunks, except at the two ends."""
+    ranges, position = [], 0
+    for start in starts:
+        end = min(start + chunk, count)
+        a, b = max(start, start + first - position), min(end, start + last - position)
+        if a < b:
+            ranges.append((a, b))
+        position += end - start
+    return ranges
+
+
+def write(path: Path, train_set: Digits, test_set: Digits, chunk: int,
+          compression: str | None) -> None:
+    """Both sets into one file, under a temporary name renamed into place when complete."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update(mean=MNIST_MEAN, std=MNIST_STD)  # see data.normalize
+            for name, data in [("train", train_set), ("test", test_set)]:
+                rows = min(chunk, len(data))
+                group = f.create_group(name)
+                group.attrs.update(count=len(data), shape=(28, 28))
+                # No compression by default: an uncompressed chunk goes into the batch with no
+                # CPU work in the workers. gzip shrinks MNIST ~4x for a little CPU per chunk,
+                # worth it when the filesystem rather than the CPU is the bottleneck. fletcher32
+                # stores a checksum per chunk: a damaged copy fails instead of training on garbage.
+                group.create_dataset("images", data=data.images.numpy(), chunks=(rows, 28, 28),
+                                     compression=compression, fletcher32=True)
+                group.create_dataset("labels", data=data.labels.numpy(), chunks=(rows,),
+                                     compression=compression, fletcher32=True)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {err}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def open_checked(path: Path, train_samples: int | None, test_samples: int | None,
+                 verify_all: bool = False) -> tuple[int, int, Digits]:
+    """Check a file that write() wrote and read what is small: (training samples to use, chunk
+    size, the test set in memory). Runs before training, so a bad file is one clear line, not
+    a crash mid-epoch. verify_all reads every chunk (checksums); otherwise the labels and the
+    last chunk, where a cut-off copy ends."""
+    try:
+        with h5py.File(path, "r") as f:
+            for name in ["train", "test"]:
+                images, labels = f[name]["images"], f[name]["labels"]
+                count = f[name].attrs["count"]
+                if (images.dtype != np.uint8 or images.shape != (count, 28, 28)
+                        or labels.shape != (count,) or labels.dtype.kind not in "iu"):
+                    raise UserError(
+                        f"{path}: {name} holds {images.dtype} images {images.shape} and "
+                        f"{labels.dtype} labels {labels.shape}, expected uint8 {count} x 28 x 28 "
+                        f"and {count} integers; delete it to prepare it again")
+                if not 0 <= labels[:].min() <= labels[:].max() <= 9:
+                    raise UserError(f"{path}: {name} has labels outside 0-9; delete it to "
+                                    f"prepare it again")
+                rows = (images.chunks or [1024])[0]
+                for a in range(0, count, rows) if verify_all else [count - 1]:
+                    _ = images[a:a + rows]  # reading checks the chunks' checksums
+            chunk = (f["train/images"].chunks or [1024])[0]
+            train_count = train_samples or len(f["train/labels"])
+            if train_count > len(f["train/labels"]):
+                raise UserError(f"asked for {train_count} samples, but {path} holds "
+                                f"{len(f['train/labels'])}")
+            test_set = Digits(torch.from_numpy(f["test/images"][:]),
+                              torch.from_numpy(f["test/labels"][:]).long())
+    except (OSError, KeyError, ValueError) as err:
+        raise UserError(f"{path} is not a readable digits file ({str(err)[:120]}); "
+                        f"delete it to prepare it again") from None
+    if test_samples is not None:
+        if test_samples > len(test_set):
+            raise UserError(f"asked for {test_samples} samples, but {path} holds "
+                            f"{len(test_set)} test samples")
+        test_set = Digits(test_set.images[:test_samples], test_set.labels[:test_samples])
+    check_digits(test_set.images, test_set.labels, f"{path}'s test set")
+    return train_count, chunk, test_set
+
+
+def read_rows(path: Path, f, ranges) -> tuple[np.ndarray, np.ndarray]:
+    """The training rows of the given (start, end) ranges, one sequential read per range (a
+    range never crosses a chunk). A chunk that fails its checksum while training (a copy
+    damaged since it was checked) is one line naming the file and the chunk."""
+    images, labels = [], []
+    for a, b in ranges:
+        try:
+            images.append(f["train/images"][a:b])
+            labels.append(f["train/labels"][a:b])
+        except OSError as err:
+            chunk = f["train/images"].chunks[0]
+            raise UserError(f"{path}: chunk {a // chunk} (training rows {a // chunk * chunk}-"
+                            f"{(a // chunk + 1) * chunk - 1}) cannot be read "
+                            f"({str(err).splitlines()[0][:80]}); the file is damaged: delete "
+                            f"it and prepare it again") from None
+    return np.concatenate(images), np.concatenate(labels).astype(np.int64)

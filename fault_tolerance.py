@@ -1,0 +1,97 @@
+"""What step 07 adds to survive failures: a stop that all ranks agree on, a sampler that can
+start mid-epoch, every rank's random state, and the checks that make restarts safe.
+
+Step 07 first needs it (and step 08 after it). 07 shows when each piece is used; the why of each
+is written here, beside the code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+import data
+from errors import UserError
+
+EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
+
+
+class ResumableSampler(DistributedSampler):
+    """Step 02's sampler, able to start mid-epoch: it skips the samples a checkpoint covers
+    (the same seed and epoch give the same order, so they are the ones already trained on)."""
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return super().__len__() - self.skip
+
+
+class StopRequest:
+    """SIGTERM means "stop soon": SLURM sends it before it preempts a job or at the time limit,
+    and kills after KillWait (30 s by default); torchrun forwards it to its workers and kills
+    them after --shutdown-timeout (30 s). Stopping mid-step would leave nothing to save, so the
+    handler only takes note; about once a second the ranks vote, at the same step."""
+
+    def __init__(self):
+        self.requested, self.steps, self.next_vote, self.started = False, 0, 1, time.monotonic()
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "requested", True))
+
+    def agreed(self, run) -> bool:
+        """Call after every step on every rank: True on all ranks if any rank was asked."""
+        self.steps += 1
+        if self.steps < self.next_vote:
+            return False
+        pace = self.steps / (time.monotonic() - self.started)  # steps per second so far
+        votes = torch.tensor([float(self.requested), pace], device=run.device)
+        dist.all_reduce(votes)  # any request stops all; the mean pace times the next vote
+        self.next_vote = self.steps + max(1, int(votes[1] / run.world_size))  # in ~1 s
+        return bool(votes[0] > 0)
+
+
+def rng_state() -> dict:
+    """This process's random state: what dropout draws next (on the GPU, when there is one)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # a CPU tensor too
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])  # CPU tensors: checkpoints load to the CPU
+    if "cuda" in state and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def ignore_sigterm(worker_id):
+    """DataLoader workers get SLURM's SIGTERM too, and one dying of it would fail its rank
+    before the rank can save: they ignore it, and end when their rank does."""
+    data.seed_worker(worker_id)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def restarted() -> bool:
+    """True in a group that torchrun restarted or a job that SLURM requeued."""
+    return any(int(os.environ.get(name, 0)) > 0
+               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def check_restart_store() -> None:
+    """torchrun --max-restarts restarts the group, and by default the new group meets at the
+    same store as the dead one (hosted by node 0's agent), where the dead group's addresses are
+    still written: gloo then connects to processes that no longer exist (pytorch/pytorch#135712).
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, set where torchrun starts, gives every round a fresh
+    store hosted by its rank 0."""
+    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        raise UserError("torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+                        "torchrun's environment, or a restarted group reads the dead group's "
+                        "addresses and cannot connect (pytorch/pytorch#135712)")

@@ -1,0 +1,127 @@
+"""The command line every training step shares, and the checks on every flag.
+
+Step 00 first needs it; every later step adds its own flags with the same checked types, so a
+bad value (`--batch-size 0`, `--lr nan`, `--seed -1`) is one line and exit code 2 when the
+command line is parsed, before any process group, data or model exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+SEED_LIMIT = 2**32  # numpy's legacy seeding, the narrowest of the RNGs we seed, takes 0 .. 2**32-1
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line, printed once (by rank 0), not the whole usage."""
+
+    def error(self, message):
+        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+            print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+# ---------------------------------------------------------------- checked types
+def integer(lowest: int, highest: int | None = None, what: str = ""):
+    """An argparse type: an integer in [lowest, highest], with an error that says which."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < lowest or (highest is not None and value > highest):
+            limits = f"at least {lowest}" if highest is None else f"from {lowest} to {highest}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: {what or 'it'} must be "
+                                             f"{limits}")
+        return value
+
+    return parse
+
+
+def positive_float(what: str):
+    """An argparse type: a finite number above zero (rejects nan, inf, 0 and negatives)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} is not allowed: {what} must be a finite "
+                                             f"number above 0")
+        return value
+
+    return parse
+
+
+def writable_dir(text: str) -> Path:
+    """A folder we can write to, created if missing: found now, not after an hour of training."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    return path
+
+
+def existing_path(text: str) -> Path:
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return path
+
+
+# ---------------------------------------------------------------- the shared flags
+def parser(doc: str, script: str) -> Parser:
+    """The flags every training step takes; a step adds its own before calling parse_args()."""
+    stem = Path(script).stem
+    p = Parser(prog=Path(script).name, description=doc,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = p.add_argument_group("data")
+    data.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto",
+                      help="auto: MNIST if present or downloadable, else built-in synthetic digits")
+    data.add_argument("--data-dir", type=Path, default=Path("data"))
+    data.add_argument("--train-samples", type=integer(1, what="--train-samples"), metavar="N",
+                      help="use only the first N training samples")
+    data.add_argument("--test-samples", type=integer(1, what="--test-samples"), metavar="N",
+                      help="use only the first N test samples")
+    data.add_argument("--num-workers", type=integer(0, 64, "--num-workers"), metavar="N",
+                      help="DataLoader worker processes per rank (default: 0 on CPU, where "
+                           "workers compete with training for cores; 2 on GPU)")
+    train = p.add_argument_group("training")
+    train.add_argument("--epochs", type=integer(1, what="--epochs"), default=2)
+    train.add_argument("--batch-size", type=integer(1, what="--batch-size"), default=256,
+                       help="GLOBAL batch: samples per optimizer step, summed over all ranks")
+    train.add_argument("--max-device-batch", type=integer(1, what="--max-device-batch"),
+                       metavar="M", help="most samples one device takes at once; larger "
+                       "per-rank batches are split into micro-batches whose gradients accumulate")
+    train.add_argument("--lr", type=positive_float("--lr"), default=0.05)
+    train.add_argument("--seed", type=integer(0, SEED_LIMIT - 1, "--seed"), default=0)
+    train.add_argument("--no-dropout", dest="dropout", action="store_false",
+                       help="turn dropout off (tests use it to compare runs weight for weight)")
+    # Benchmarks only (hidden from --help): multiply fc1's hidden units, so that there are
+    # more gradients to communicate for little more compute.
+    train.add_argument("--width", type=integer(1, 64, "--width"), default=1,
+                       help=argparse.SUPPRESS)
+    system = p.add_argument_group("system")
+    system.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    system.add_argument("--amp", action="store_true", help="bf16 autocast on GPUs that support it")
+    system.add_argument("--timeout", type=positive_float("--timeout"), default=600,
+                        metavar="SECONDS", help="how long a collective waits for a peer "
+                        "before failing (gloo; NCCL's watchdog then ends the process)")
+    # (A string default: argparse checks it like a typed value.)
+    system.add_argument("--out-dir", type=writable_dir, default=f"runs/{stem}")
+    system.add_argument("--profile", action="store_true",
+                        help="trace a few training steps per rank into <out-dir>/profile")
+    system.add_argument("--resume", type=existing_path, metavar="PATH",
+                        help="continue from a checkpoint")
+    system.add_argument("--quiet", action="store_true",
+                        help="no progress lines inside an epoch, only one line per epoch")
+    return p
