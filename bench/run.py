@@ -53,6 +53,7 @@ def configs(opts) -> list[Config]:
     data = ["--data", "synthetic", "--train-samples", str(opts.samples), "--test-samples", "500",
             "--epochs", "1", "--device", opts.device]
     one_thread = {"OMP_NUM_THREADS": "1"}
+    fresh_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # for --max-restarts
     per_rank = opts.per_rank_batch
     h5 = str(Path(opts.work) / "bench.h5")
     rows = {
@@ -77,8 +78,8 @@ def configs(opts) -> list[Config]:
         "compile": [
             Config("compile", "04 --no-compile", "04_ddp_compile.py",
                    [*data, "--batch-size", 2 * per_rank, "--no-compile"], nproc=2, env=one_thread),
-            Config("compile", "04 compiled", "04_ddp_compile.py",
-                   [*data, "--batch-size", 2 * per_rank], nproc=2, env=one_thread),
+            Config("compile", "04 --compile", "04_ddp_compile.py",
+                   [*data, "--batch-size", 2 * per_rank, "--compile"], nproc=2, env=one_thread),
         ],
         "streaming": [  # equal worker counts: one DataLoader worker per rank
             Config("streaming", "05 in memory", "05_multinode.py",
@@ -89,25 +90,34 @@ def configs(opts) -> list[Config]:
                     "--h5", h5], nproc=2, env=one_thread),
         ],
         "checkpoints": [
-            Config("checkpoints", "06", "06_streaming_h5.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--h5", h5],
+            Config("checkpoints", "05", "05_multinode.py",
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile"],
                    nproc=2, env=one_thread),
             Config("checkpoints", f"07, checkpoint every {opts.checkpoint_every} steps",
                    "07_fault_tolerance.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--h5", h5,
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile",
                     "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
         ],
         "restart": [  # wall time of a whole run: the difference is what one killed rank costs
             Config("restart", "07, uninterrupted", "07_fault_tolerance.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--h5", h5,
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile",
                     "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, metric="wall",
-                   env=one_thread),
+                   env={**one_thread, **fresh_store}),
             Config("restart", f"07, rank 1 killed at step {opts.checkpoint_every * 3 // 2}",
                    "07_fault_tolerance.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--h5", h5,
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile",
                     "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, metric="wall",
-                   env={**one_thread, "PROBE_KILL": f"1:{opts.checkpoint_every * 3 // 2}"},
+                   env={**one_thread, **fresh_store,
+                        "PROBE_KILL": f"1:{opts.checkpoint_every * 3 // 2}"},
                    launcher_args=["--max-restarts", "1"], probe=True),
+        ],
+        "fsdp2": [  # the same training, replicated (DDP) or sharded (FSDP2); no checkpoints
+            Config("fsdp2", "07 (DDP)", "07_fault_tolerance.py",
+                   [*data, "--batch-size", 2 * per_rank, "--no-compile",
+                    "--checkpoint-every", "0", "--width", "8"], nproc=2, env=one_thread),
+            Config("fsdp2", "08 (FSDP2)", "08_fsdp2.py",
+                   [*data, "--batch-size", 2 * per_rank, "--checkpoint-every", "0",
+                    "--width", "8"], nproc=2, env=one_thread),
         ],
         "allreduce": [
             Config("allreduce", "01 --bench, 2 ranks, largest message", "01_torch_dist_allreduce.py",
@@ -151,7 +161,7 @@ def run_once(config: Config, out_dir: Path) -> float:
     if config.metric == "wall":
         return wall
     summary = json.loads((out_dir / "summary.json").read_text())
-    for key in ("first_step_seconds", "train_seconds"):
+    for key in ("first_step_seconds", "train_seconds", "params_per_rank", "params_total"):
         config.extras.setdefault(key, []).append(summary.get(key))
     return summary[config.metric]
 
@@ -207,6 +217,11 @@ def report(chosen: list[Config], opts) -> str:
                 comparison = f"scaling efficiency {efficiency:.2f} (samples/s(2) / 2 x samples/s(1))"
             unit = {"busbw": "GB/s bus bandwidth", "wall": "s per run"}.get(config.metric,
                                                                           "samples/s")
+            if row == "fsdp2" and i == 1:  # tensor bytes: weights + gradients + momentum
+                held = config.extras["params_per_rank"][0][0]
+                total = config.extras["params_total"][0]
+                comparison += (f"; per rank {3 * 4 * held / 2**20:.1f} MiB of weights, gradients "
+                               f"and momentum vs {3 * 4 * total / 2**20:.1f} MiB under DDP")
             if row == "restart" and i == 1:
                 lost = med - spread(group[0].values)[0]
                 comparison = f"{lost:.1f} s lost to the kill (restart + redone steps)"
@@ -219,7 +234,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="scaling,overhead,wrapper,compile,streaming,"
-                                          "checkpoints,restart,allreduce")
+                                          "checkpoints,restart,fsdp2,allreduce")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--per-rank-batch", type=int, default=64)

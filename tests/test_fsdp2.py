@@ -1,0 +1,155 @@
+"""Step 08: FSDP2 trains like DDP, shards what each rank holds, and its DCP checkpoints resume
+on any number of ranks, survive a rank killed mid-save, and export to one plain file.
+
+Every run is 2 epochs of 20 steps (conftest.RESTART_ARGS), or the first of them; the weights of
+a run are read back from its final DCP checkpoint, in this process, without a process group.
+"""
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import dcp_checkpoint
+from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, base_env,
+                      read_summary, run_step)
+from model import Net
+
+STEP = "08_fsdp2.py"
+
+
+def final_weights(out: Path) -> dict:
+    """The model in <out>/checkpoint (the link to the newest complete DCP checkpoint)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(dcp_checkpoint.complete_folder(out / "checkpoint"), Path(tmp) / "all.pt")
+        return torch.load(Path(tmp) / "all.pt", weights_only=True)["model"]
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(mnist_root, tmp_path_factory):
+    """08 on 2 ranks for 2 epochs, and for 1 epoch; the 1-epoch checkpoint resumed for the
+    second epoch on 1 rank and on 3 ranks."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    args = [*RESTART_ARGS, "--data-dir", mnist_root]
+    result = {}
+    for name, nproc, extra in [("straight", 2, []), ("first_epoch", 2, ["--epochs", 1])]:
+        proc = run_step(STEP, [*args, *extra, "--out-dir", root / name], nproc=nproc)
+        result[name] = {"out": root / name, "stdout": proc.stdout}
+    for ranks in (1, 3):
+        out = root / f"resumed_on_{ranks}"
+        proc = run_step(STEP, [*args, "--resume", root / "first_epoch" / "checkpoint",
+                               "--out-dir", out], nproc=ranks)
+        result[f"resumed_on_{ranks}"] = {"out": out, "stdout": proc.stdout}
+    return result
+
+
+def test_fsdp2_ends_with_the_weights_of_ddp(runs, uninterrupted_07):
+    """Same seed, same data, dropout on: FSDP2 averages gradients by reduce-scatter where DDP
+    all-reduces; on 2 ranks both divide by a power of two, and the result is bit-identical."""
+    ddp = torch.load(uninterrupted_07 / "checkpoint.pt", weights_only=True)["model"]
+    assert max_difference(final_weights(runs["straight"]["out"]), ddp) == 0.0
+    assert read_summary(runs["straight"]["out"])["train_losses"] == pytest.approx(
+        read_summary(uninterrupted_07)["train_losses"], rel=1e-12)
+
+
+def test_each_rank_holds_half_of_the_parameters(runs):
+    summary = read_summary(runs["straight"]["out"])
+    total = sum(p.numel() for p in Net().parameters())
+    assert summary["params_total"] == total == 1_199_882
+    assert summary["params_per_rank"] == [total // 2, total // 2]  # every tensor's rows split
+    assert summary["optimizer_state_per_rank"] == summary["params_per_rank"]  # SGD momentum
+    assert "each rank holds 599,941 of the 1,199,882 parameters" in runs["straight"]["stdout"]
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_checkpoint_of_2_ranks_resumes_on_another_number_of_ranks(runs, ranks):
+    resumed = read_summary(runs[f"resumed_on_{ranks}"]["out"])
+    straight = read_summary(runs["straight"]["out"])
+    assert resumed["world_size"] == ranks and len(resumed["params_per_rank"]) == ranks
+    assert resumed["test_samples"] == TEST_SAMPLES  # every test sample counted once
+    assert "resumed from" in runs[f"resumed_on_{ranks}"]["stdout"]
+    # The same samples per step; other dropout masks and summation orders (the random streams
+    # of another world size cannot be the same): about the same result, not the same bits.
+    assert abs(resumed["test_accuracy"] - straight["test_accuracy"]) < 0.05
+    assert resumed["train_losses"][0] == pytest.approx(straight["train_losses"][1], rel=0.05)
+
+
+def test_a_rank_killed_mid_save_resumes_from_the_previous_checkpoint_exactly(
+        runs, mnist_root, tmp_path):
+    """Rank 1 dies while writing its shards of the 3rd checkpoint (step 12 of epoch 1): the link
+    still names the 2nd (step 8), torchrun restarts the group, and the run ends bit-identical
+    to the uninterrupted one."""
+    proc = run_step(STEP, [*RESTART_ARGS, "--data-dir", mnist_root, "--out-dir", tmp_path],
+                    nproc=2, probe_dir=tmp_path / "probe",
+                    env_extra={"PROBE_KILL_SAVE": "1:3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": 1},
+                    torchrun_extra=("--max-restarts", "1"))
+    assert "at step 8 of epoch 1" in proc.stdout, proc.stdout[-3000:]
+    assert max_difference(final_weights(tmp_path), final_weights(runs["straight"]["out"])) == 0
+    assert sorted(p.name for p in tmp_path.glob("checkpoint*")) == [
+        "checkpoint", "checkpoint-epoch2-end"]  # older and unfinished folders are gone
+
+
+def test_the_exported_checkpoint_loads_plainly_and_evaluates_the_same(runs, mnist_root,
+                                                                      tmp_path):
+    out = runs["straight"]["out"]
+    run_step(STEP, ["export", "--resume", out / "checkpoint", "--out-dir", tmp_path])
+    plain = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    model = Net()
+    model.load_state_dict(plain["model"])  # strict: the keys of a plain Net, no prefixes
+    assert max_difference(plain["model"], final_weights(out)) == 0.0
+    # Step 00, resumed at its last epoch, only evaluates: the same test set, the same answers.
+    run_step("00_single_gpu.py", ["--data", "mnist", "--data-dir", mnist_root, "--epochs", 2,
+                                  "--resume", tmp_path / "checkpoint.pt",
+                                  "--out-dir", tmp_path / "00"])
+    assert (read_summary(tmp_path / "00")["test_correct"]
+            == read_summary(out)["test_correct"])
+
+
+def test_a_checkpoint_that_is_incomplete_or_of_another_model_is_one_line(runs, tmp_path):
+    unfinished = tmp_path / "checkpoint-epoch1-step4"  # what a killed save leaves: no .metadata
+    unfinished.mkdir()
+    (unfinished / "__0_0.distcp").write_bytes(b"half")
+    for resume, extra, expected in [
+            (unfinished, [], "is not a complete DCP checkpoint"),
+            (runs["straight"]["out"] / "checkpoint", ["--width", "2"],
+             "does not fit this model (ValueError: Size mismatch")]:
+        proc = run_step(STEP, ["--data", "synthetic", "--train-samples", 96, "--batch-size", 48,
+                               "--resume", resume, *extra, "--out-dir", tmp_path / "out"],
+                        check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        errors = proc.stderr.strip().splitlines()
+        assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+        assert_no_traceback(proc)
+
+
+def test_hybrid_sharding_on_two_agents_shards_within_each_node(mnist_root, tmp_path):
+    """--hsdp on 2 "nodes" (torchrun agents on loopback) x 2 ranks: a 2-D mesh, replicated
+    across the nodes, sharded within each, here with bf16 mixed precision (the GPU default)."""
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-id", "hsdp",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", STEP, "--hsdp", "--mixed-precision",
+             "--data", "mnist", "--data-dir", str(mnist_root), "--train-samples", 480,
+             "--batch-size", 48, "--epochs", 1, "--checkpoint-every", 0, "--out-dir",
+             str(tmp_path)]
+    nodes = [subprocess.Popen(list(map(str, agent)), cwd=REPO, env=base_env(OMP_NUM_THREADS=1),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)
+    summary = read_summary(tmp_path)
+    assert (summary["world_size"], summary["nodes"]) == (4, 2)
+    assert summary["params_per_rank"] == [1_199_882 // 2] * 4  # sharded over 2, not 4
+    assert "mixed_precision=bf16/fp32" in "".join(outputs)
+    assert summary["test_accuracy"] > 0.3  # it learns (chance: 0.1)
