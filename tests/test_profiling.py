@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 import profiling
-from conftest import assert_no_traceback, run_step
+import timeline
+from conftest import REPO, assert_no_traceback, launch, run_step
 
 ARGS = ["--data", "mnist", "--train-samples", 960, "--test-samples", 100, "--batch-size", 96,
         "--epochs", 1, "--profile"]  # 10 steps per epoch: steps 3-5 are recorded
@@ -43,6 +44,14 @@ def ddp_run(mnist_root, tmp_path_factory):
     summaries = [json.loads((out / "profile" / f"summary_rank{r}.json").read_text())
                  for r in range(2)]
     return SimpleNamespace(out=out, proc=proc, summaries=summaries)
+
+
+@pytest.fixture(scope="module")
+def manual_run(mnist_root, tmp_path_factory):
+    """The same, of step 02 (the all-reduce written out after backward)."""
+    out = tmp_path_factory.mktemp("profile02")
+    run_step("02_manual_ddp.py", [*ARGS, "--data-dir", mnist_root, "--out-dir", out], nproc=2)
+    return SimpleNamespace(out=out)
 
 
 def trace_events(out, name) -> list[dict]:
@@ -210,3 +219,29 @@ def test_tensorboard_serves_scalars_and_profiler_run(ddp_run, tensorboard):
         assert overlapping == pytest.approx(ours["overlapped_comm_ms"], abs=tolerance)
         assert communication == pytest.approx(ours["exposed_comm_ms"], abs=tolerance)
         assert other == pytest.approx(ours["other_ms"], abs=tolerance)
+
+
+# ---------------------------------------------------------------- the overlap, as a picture
+def test_the_timeline_draws_02s_all_reduce_after_backward_and_03s_inside_it(ddp_run,
+                                                                          manual_run, tmp_path):
+    """The spans the picture draws, read from the real traces of 2 ranks: step 02 starts its
+    all-reduce when backward has ended; DDP (03) starts it while backward still runs."""
+    for run, overlaps in [(manual_run, False), (ddp_run, True)]:
+        traces = timeline.rank_traces(run.out)
+        assert len(traces) == 2
+        for trace in traces:
+            phases = timeline.step_phases(timeline.load_events(trace))
+            (backward_start, backward_end), = phases["backward"]
+            (forward_start, forward_end), = phases["forward"]
+            assert 0 <= forward_start < forward_end == backward_start < backward_end
+            communication = [a for a, b in phases["communication"]]
+            assert communication, trace.name
+            if overlaps:
+                assert backward_start < min(communication) < backward_end, (trace, phases)
+            else:
+                assert min(communication) >= backward_end, (trace, phases)
+            assert phases["optimizer"] and phases["optimizer"][0][0] >= backward_end
+    picture = tmp_path / "overlap.png"
+    launch([sys.executable, str(REPO / "timeline.py"), str(manual_run.out), str(ddp_run.out),
+            "-o", str(picture)])
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000

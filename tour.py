@@ -1,0 +1,112 @@
+"""The whole tutorial in one command: every step in order, briefly, then one table.
+
+    python tour.py                    # about 3 minutes on a 2-core laptop CPU
+    python tour.py --samples 10000    # more data per step (better accuracy, longer)
+
+Each step runs the way you would run it yourself (plain python, or torchrun with 2 processes:
+2 CPU processes, or 2 GPUs when there are) for one short epoch, and you see its own output as it
+goes. The table at the end comes from the steps' own runs/tour/<step>/summary.json files: what
+each step adds, its world size, test accuracy and samples/s, and the diff to read next. Step
+04 compiles (once, 15-25 s on a CPU); every other step runs eagerly. Any step that fails stops
+the tour with its exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent
+# file, runs on 2 processes?, the idea it adds, what to read next, extra arguments
+STEPS = [
+    ("00_single_gpu.py", False, "baseline: train and evaluate on one device",
+     "read 00_single_gpu.py whole", []),
+    ("01_torch_dist_allreduce.py", True, "side trip: ranks and collectives",
+     "read 01_torch_dist_allreduce.py whole", []),
+    ("02_manual_ddp.py", True, "data parallel by hand: sampler, broadcast, all-reduce",
+     "diff -u 00_single_gpu.py 02_manual_ddp.py", []),
+    ("03_ddp_wrapper.py", True, "the DDP wrapper: buckets that overlap backward",
+     "diff -u 02_manual_ddp.py 03_ddp_wrapper.py", []),
+    ("04_ddp_compile.py", True, "torch.compile on top of DDP",
+     "diff -u 03_ddp_wrapper.py 04_ddp_compile.py", ["--compile"]),
+    ("05_multinode.py", True, "many nodes: global, local and node rank",
+     "diff -u 04_ddp_compile.py 05_multinode.py", []),
+    ("06_streaming_h5.py", True, "side trip: stream the data from HDF5",
+     "diff -u 05_multinode.py 06_streaming_h5.py", []),
+    ("07_fault_tolerance.py", True, "restarts, preemption, exact resume",
+     "diff -u 05_multinode.py 07_fault_tolerance.py", ["--checkpoint-every", "5"]),
+    ("08_fsdp2.py", True, "FSDP2: shard weights, checkpoint with DCP",
+     "diff -u 07_fault_tolerance.py 08_fsdp2.py", []),
+]
+
+
+def command(script: str, distributed: bool, processes: int, extra: list) -> list:
+    launcher = [sys.executable]
+    if distributed:
+        launcher += ["-m", "torch.distributed.run", "--standalone",
+                     f"--nproc-per-node={processes}"]
+    return [*launcher, script, *extra]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=2048,
+                        help="training samples per step (default 2048)")
+    parser.add_argument("--test-samples", type=int, default=1000,
+                        help="test samples per step (default 1000)")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "tour")
+    parser.add_argument("--data", default="auto", choices=["auto", "mnist", "synthetic"])
+    parser.add_argument("--data-dir", type=Path, default=REPO / "data")
+    args = parser.parse_args()
+    if args.samples < 256:
+        parser.error("--samples must be at least 256 (a few steps of 2 ranks x 64)")
+    # Two processes per distributed step: two CPU processes, or two GPUs (one if that is all).
+    processes = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    shared = ["--data", args.data, "--data-dir", str(args.data_dir), "--epochs", "1",
+              "--train-samples", str(args.samples), "--test-samples", str(args.test_samples),
+              "--batch-size", "128"]
+    rows, started = [], time.monotonic()
+    for script, distributed, idea, next_read, extra in STEPS:
+        out = args.out_dir / Path(script).stem
+        step_args = list(extra)
+        if script != "01_torch_dist_allreduce.py":
+            step_args += [*shared, "--out-dir", str(out)]
+        if script == "06_streaming_h5.py":
+            step_args += ["--h5", str(out / "digits.h5")]  # prepared from the same samples
+        cmd = command(script, distributed, processes, step_args)
+        shown = ["torchrun", *cmd[3:]] if distributed else ["python", *cmd[1:]]
+        print(f"\n=== {script[:2]}: {idea}\n$ {' '.join(shown)}", flush=True)
+        code = subprocess.run(cmd, cwd=REPO).returncode
+        if code:
+            sys.exit(f"tour: {script} failed with exit code {code}; its output is above")
+        summary = out / "summary.json"
+        rows.append((script, idea, next_read, json.loads(summary.read_text())
+                     if summary.exists() else None))
+    print_table(rows, time.monotonic() - started)
+
+
+def print_table(rows, seconds: float) -> None:
+    print(f"\n=== the tour, {seconds:.0f} s: what each step added, and what it measured\n")
+    print(f"{'step':<5}{'the idea it adds':<52}{'world':>5}{'test acc':>10}{'samples/s':>11}"
+          f"   read next")
+    for script, idea, next_read, summary in rows:
+        if summary is None:  # step 01 trains nothing
+            world, accuracy, rate = "2", "-", "-"
+        else:
+            world = str(summary["world_size"])
+            accuracy = f"{100 * summary['test_accuracy']:.1f}%"
+            rate = f"{summary['samples_per_sec']:,.0f}" if summary["samples_per_sec"] else "n/a"
+        print(f"{script[:2]:<5}{idea:<52}{world:>5}{accuracy:>10}{rate:>11}   {next_read}")
+    print("\nA few thousand samples per step: accuracies are low and samples/s only indicative"
+          " (two processes share this machine's cores; see the README's Benchmarks).")
+
+
+if __name__ == "__main__":
+    main()
