@@ -136,8 +136,8 @@ def main():
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(raw_model, test_loader, run)
     if progress.first_step_seconds is not None:
-        common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off: warm-up and "
-                        f"compile), then {progress.samples_per_sec or 0:,.0f} samples/s")
+        common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off costs: warm-up, "
+                        f"the compile if on), then {progress.samples_per_sec or 0:,.0f} samples/s")
     results.summary(__file__, args, plan, test, progress)
     del model  # DDP holds the process group: release it before the group is destroyed
     dist.destroy_process_group()

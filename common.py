@@ -175,7 +175,8 @@ def announce(run: Run, args, plan: BatchPlan, script: str, **extra) -> None:
         log(run, "note: --amp needs a GPU with bf16 support; training in float32")
     details = "".join(f" {key}={value}" for key, value in extra.items())
     log(run, f"{os.path.basename(script)}: device={run.device} world_size={run.world_size} "
-             f"batch={plan.global_batch} (= {run.world_size} ranks x {plan.per_rank}, "
+             f"batch={plan.global_batch} (= {run.world_size} rank{'s' * (run.world_size > 1)} x "
+             f"{plan.per_rank}, "
              f"{plan.accumulation_steps} micro-batch(es) of {plan.micro_batch}) "
              f"threads/rank={torch.get_num_threads()} amp={run.amp} seed={args.seed}{details}")
 

@@ -71,7 +71,7 @@ class Progress:
     def start_epoch(self, epoch: int, steps_done: int = 0) -> None:
         """`steps_done`: steps a resumed epoch already did before this process took over."""
         self.epoch, self.step_index, self.timed_steps, self.epoch_samples = epoch, steps_done, 0, 0
-        self.bad_step = torch.tensor(-1, device=self.run.device)  # first step with a bad loss
+        self.bad_step = torch.full((1,), -1, device=self.run.device)  # first step of a bad loss
         self.started = self.epoch_started = self.last_print = self._now()
         self.printed_at = steps_done
 
@@ -102,7 +102,7 @@ class Progress:
         if dist.is_initialized():
             bad = [torch.empty_like(self.bad_step) for _ in range(dist.get_world_size())]
             dist.all_gather(bad, self.bad_step)  # every rank calls this at the same step
-        bad_ranks = {rank: int(step) for rank, step in enumerate(bad) if step >= 0}
+        bad_ranks = {rank: int(step.item()) for rank, step in enumerate(bad) if step.item() >= 0}
         if bad_ranks:
             step = min(bad_ranks.values())
             ranks = ", ".join(str(r) for r, s in bad_ranks.items() if s == step)

@@ -6,9 +6,10 @@ in step 02, inside it in step 03.
     torchrun --standalone --nproc-per-node 2 03_ddp_wrapper.py --profile
     python timeline.py runs/02_manual_ddp runs/03_ddp_wrapper -o overlap.png
 
-It reads the traces that --profile writes (<run>/profile/rank<R>.<time>.pt.trace.json) and draws
-the middle one of the recorded steps. On a GPU the kernels on the device are drawn too. The same
-traces open in Perfetto (ui.perfetto.dev) for the full detail.
+It reads the traces that --profile writes (<run>/profile/rank<R>.<time>.pt.trace.json) and draws,
+of the recorded steps, the one whose slowest rank was fastest: the step least disturbed by
+anything else on the machine, the same step on every rank. On a GPU the kernels on the device
+are drawn too. The same traces open in Perfetto (ui.perfetto.dev) for the full detail.
 """
 
 from __future__ import annotations
@@ -30,8 +31,14 @@ def load_events(trace: Path) -> list[dict]:
             if e.get("ph") == "X" and "dur" in e]
 
 
-def step_phases(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """The spans of one recorded training step (the middle one), in ms from the step's start:
+def host_steps(events: list[dict]) -> list[dict]:
+    """The recorded training steps, in order (the host's spans, not the GPU's copies)."""
+    return sorted((e for e in events if e["name"].startswith("ProfilerStep#")
+                   and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
+
+
+def step_phases(events: list[dict], index: int | None = None) -> dict[str, list]:
+    """The spans of recorded step `index` (default: the middle one), in ms from its start:
     {"step": [(0, length)], "forward": [...], "backward": [...], "optimizer": [...],
     "communication": [...]} and, on a GPU, "device compute" and "device communication".
 
@@ -39,11 +46,10 @@ def step_phases(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
     start of backward; communication is every span of gloo's or NCCL's own (on their threads,
     or on the GPU) and of the c10d calls that start them.
     """
-    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")
-                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
+    steps = host_steps(events)
     if not steps:
         raise ValueError("no ProfilerStep in this trace: was it written by --profile?")
-    step = steps[len(steps) // 2]
+    step = steps[len(steps) // 2 if index is None else index]
     start, end = step["ts"], step["ts"] + step["dur"]
     inside = [e for e in events if start <= e["ts"] < end]
     trainer = [e for e in inside if (e["pid"], e["tid"]) == (step["pid"], step["tid"])]
@@ -82,6 +88,17 @@ def rank_traces(run_dir: Path) -> list[Path]:
     return [newest[rank] for rank in sorted(newest)]
 
 
+def least_disturbed(traces: list[Path]) -> list[dict]:
+    """Every rank's phases of the same step: the one whose slowest rank was fastest."""
+    ranks = [load_events(trace) for trace in traces]
+    durations = [[s["dur"] for s in host_steps(events)] for events in ranks]
+    recorded = min(len(d) for d in durations)
+    if recorded == 0:
+        raise ValueError(f"no ProfilerStep in {traces[0].parent}: was it written by --profile?")
+    best = min(range(recorded), key=lambda i: max(d[i] for d in durations))
+    return [step_phases(events, best) for events in ranks]
+
+
 def draw(runs: list[tuple[str, list[dict]]], path: Path, title: str) -> None:
     """One panel per run, one row per rank (two on a GPU: host and device)."""
     import matplotlib
@@ -114,9 +131,9 @@ def draw(runs: list[tuple[str, list[dict]]], path: Path, title: str) -> None:
     axes[-1, 0].set_xlim(0, longest * 1.01)
     fig.legend(handles=[Patch(color=c, label=k) for k, c in PHASES.items()
                         if any(p.get(k) for _, r in runs for p in r)],
-               loc="upper right", ncol=4, fontsize=8, frameon=False)
+               loc="lower center", ncol=6, fontsize=8, frameon=False)
     fig.suptitle(title, x=0.01, ha="left", fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -130,8 +147,7 @@ def main():
                         "traces")
     args = parser.parse_args()
     try:
-        runs = [(run.name, [step_phases(load_events(t)) for t in rank_traces(run)])
-                for run in args.runs]
+        runs = [(run.name, least_disturbed(rank_traces(run))) for run in args.runs]
     except (OSError, ValueError, KeyError) as err:
         sys.exit(f"error: {err}")
     draw(runs, args.output, args.title)

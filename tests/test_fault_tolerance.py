@@ -9,11 +9,14 @@ One uninterrupted run is the reference; a run with a rank killed mid-epoch under
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import checkpoint
+import dcp_checkpoint
+import fault_tolerance
 from conftest import (REPO, RESTART_ARGS, base_env, max_difference, rank_params, read_summary,
                       run_step, saved_checkpoint, torchrun_cmd)
 
@@ -109,3 +112,25 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(path, *state, 2)
     assert checkpoint.load(path)["epoch"] == 1
+
+
+def test_what_a_checkpoint_restores_lands_on_the_cpu_first(tmp_path, monkeypatch):
+    """On a GPU, torch.load(map_location=<the run's device>) would put the saved RNG states on
+    the GPU, and torch.set_rng_state (CPU tensors only) would then fail every resume. Here a
+    loader that puts whatever is not asked for on the CPU on "meta" stands in for a GPU: 07's
+    and 08's loads must still give RNG states that set."""
+    path, state = saved_checkpoint(tmp_path)
+    checkpoint.save(path, *state, 1, rng=[fault_tolerance.rng_state()])  # as 07 saves them
+    torch.save(fault_tolerance.rng_state(), tmp_path / "rng-rank0.pt")  # as 08 saves them
+    real_load = torch.load
+
+    def elsewhere_unless_cpu(f, map_location=None, **kwargs):
+        return real_load(f, map_location="cpu" if map_location == "cpu" else "meta", **kwargs)
+
+    monkeypatch.setattr(torch, "load", elsewhere_unless_cpu)
+    fault_tolerance.set_rng_state(checkpoint.load(path)["rng"][0])
+    fault_tolerance.set_rng_state(dcp_checkpoint.rng_state(tmp_path, SimpleNamespace(
+        world_size=1, rank=0, is_main=True)))
+    # ...and the loader does stand in: without map_location="cpu" the same state cannot be set.
+    with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):
+        fault_tolerance.set_rng_state(torch.load(tmp_path / "rng-rank0.pt", weights_only=True))
