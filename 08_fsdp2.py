@@ -10,7 +10,7 @@ same world size and global batch; on another world size the per-rank random stre
 
 Run it:
     torchrun --standalone --nproc-per-node 2 08_fsdp2.py
-    torchrun --standalone --nproc-per-node 3 08_fsdp2.py --resume runs/08_fsdp2/checkpoint
+    python 08_fsdp2.py --resume runs/08_fsdp2/checkpoint --epochs 3  # any world size
     python 08_fsdp2.py export --resume runs/08_fsdp2/checkpoint  # writes a plain checkpoint.pt
     sbatch slurm/multinode.sh 08_fsdp2.py --hsdp  # shard within each node, replicate across
 
