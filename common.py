@@ -1,8 +1,9 @@
-"""Plumbing every step shares: errors, who a process is, device choice, seeding, the batch plan.
+"""Plumbing every step shares: who a process is, device choice, process-group setup, seeding,
+the batch plan.
 
 Step 00 first needs it. Each numbered step keeps its own idea in its own file; what all of
 them need but none of them teaches lives here or in the small modules beside it: flags.py
-(the command line), data.py, model.py, checkpoint.py, metrics.py, profiling.py.
+(the command line), errors.py, data.py, model.py, checkpoint.py, metrics.py, profiling.py.
 """
 
 from __future__ import annotations

@@ -163,7 +163,9 @@ def make_loader(dataset, batch_size: int | None, run, args, worker_init_fn=None,
 
     - pinned host memory on a GPU, so `.to(device, non_blocking=True)` overlaps the copy;
     - no generator of its own: shuffling and the workers' seeds are drawn from the global RNG,
-      which every step seeds at the start of each epoch (common.seed_everything);
+      which every step seeds at the start of each epoch (common.seed_everything). Workers are
+      started anew each epoch (not persistent): a persistent worker's seed is drawn once, in
+      the first epoch of a process, which would shift the RNG of a run resumed later;
     - worker_init_fn: seed python and numpy in each worker (torch seeds each differently).
     """
     workers = args.num_workers

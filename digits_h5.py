@@ -8,6 +8,7 @@ when complete, so an interrupted `prepare` leaves no half file and no reader eve
 from __future__ import annotations
 
 import os
+from argparse import ArgumentTypeError
 from pathlib import Path
 
 import h5py
@@ -16,19 +17,17 @@ import torch
 import torch.distributed as dist
 
 from common import all_ranks_agree
-from data import MNIST_MEAN, MNIST_STD, Digits, check_digits, load_datasets
+from data import MNIST_MEAN, MNIST_STD, Digits, load_datasets, prefix
 from errors import UserError
+from flags import writable_dir
 
 
 def check_writable(path: Path) -> None:
-    """Fail before converting anything when the file could not be written."""
-    folder = path.parent
+    """Fail before converting anything when the file could not be written (--out-dir's check)."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"cannot create {folder} for {path.name}: {err.strerror}") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write {path}: {folder} is not writable (choose another --h5)")
+        writable_dir(str(path.parent))
+    except ArgumentTypeError as err:
+        raise UserError(f"cannot write {path}: {err} (choose another --h5)") from None
 
 
 def prepare_if_missing(args, run) -> None:
@@ -102,7 +101,8 @@ def open_checked(path: Path, train_samples: int | None, test_samples: int | None
                         f"{path}: {name} holds {images.dtype} images {images.shape} and "
                         f"{labels.dtype} labels {labels.shape}, expected uint8 {count} x 28 x 28 "
                         f"and {count} integers; delete it to prepare it again")
-                if not 0 <= labels[:].min() <= labels[:].max() <= 9:
+                values = labels[:]
+                if not 0 <= values.min() <= values.max() <= 9:
                     raise UserError(f"{path}: {name} has labels outside 0-9; delete it to "
                                     f"prepare it again")
                 rows = (images.chunks or [1024])[0]
@@ -118,13 +118,7 @@ def open_checked(path: Path, train_samples: int | None, test_samples: int | None
     except (OSError, KeyError, ValueError) as err:
         raise UserError(f"{path} is not a readable digits file ({str(err)[:120]}); "
                         f"delete it to prepare it again") from None
-    if test_samples is not None:
-        if test_samples > len(test_set):
-            raise UserError(f"asked for {test_samples} samples, but {path} holds "
-                            f"{len(test_set)} test samples")
-        test_set = Digits(test_set.images[:test_samples], test_set.labels[:test_samples])
-    check_digits(test_set.images, test_set.labels, f"{path}'s test set")
-    return train_count, chunk, test_set
+    return train_count, chunk, prefix(test_set, test_samples)
 
 
 def read_rows(path: Path, f, ranges) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from errors import launcher_rank
+
 SEED_LIMIT = 2**32  # numpy's legacy seeding, the narrowest of the RNGs we seed, takes 0 .. 2**32-1
 
 
@@ -20,7 +22,7 @@ class Parser(argparse.ArgumentParser):
     """argparse, but an error is one line, printed once (by rank 0), not the whole usage."""
 
     def error(self, message):
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        if launcher_rank() == 0:
             print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr, flush=True)
         raise SystemExit(2)
 

@@ -133,7 +133,8 @@ class Progress:
     def end_epoch(self) -> float | None:
         """Check the loss a last time; return this epoch's samples/s (all ranks together), or
         None when this process timed no steady step (a resumed epoch that had one step left)."""
-        self.check_loss()
+        if self.step_index % CHECK_EVERY:  # (else step() has just checked)
+            self.check_loss()
         now = self._now()
         if self.live:
             print("\r\033[K", end="", flush=True)  # the epoch's own line replaces the live one
