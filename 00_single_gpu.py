@@ -12,19 +12,16 @@ Look for: a progress line inside each epoch, then one line per epoch with train 
 accuracy and samples/s (about 99 % test accuracy on MNIST after 2 epochs), and
 runs/00_single_gpu/{summary.json,checkpoint.pt}.
 
-Read also: common.py (choose_device, seed_everything, plan_batches), data.py, model.py,
-checkpoint.py, metrics.py (Progress: progress lines, samples/s, the NaN check; test_sums).
+Read also: common.py (choose_device, seed_everything, plan_batches); in plumbing/: data.py,
+model.py, checkpoint.py, metrics.py (Progress: progress lines, samples/s, the NaN check; test_sums).
 """
 
 import torch
 import torch.nn.functional as F
 
-import checkpoint
 import common
-import data
-import flags
-import metrics
-from model import build_model
+from plumbing import checkpoint, data, flags, metrics
+from plumbing.model import build_model
 
 
 def train_one_epoch(model, loader, optimizer, run, plan, progress):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import common
-import flags
+from plumbing import flags
 
 
 def print_in_rank_order(rank: int, world_size: int, line: str) -> None:

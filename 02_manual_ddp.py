@@ -12,8 +12,8 @@ Run it:
 Look for: "world_size=2 batch=256 (= 2 ranks x 128 ...)" in the first line (--batch-size is the
 GLOBAL batch), then about the accuracy of step 00.
 
-Read also: common.py (choose_device, seed_everything, plan_batches), metrics.py (Progress,
-test_sums), checkpoint.py.
+Read also: common.py (choose_device, seed_everything, plan_batches); plumbing/metrics.py
+(Progress, test_sums), plumbing/checkpoint.py.
 """
 
 import datetime
@@ -24,12 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, Subset
 
-import checkpoint
 import common
-import data
-import flags
-import metrics
-from model import build_model
+from plumbing import checkpoint, data, flags, metrics
+from plumbing.model import build_model
 
 
 def setup(args):

@@ -12,8 +12,8 @@ Run it:
 Look for: the losses of step 02 for the same seed, and after the first epoch the buckets DDP
 built: which parameters, in which order, how large.
 
-Read also: common.py (choose_device, seed_everything, plan_batches), metrics.py (Progress,
-test_sums), checkpoint.py.
+Read also: common.py (choose_device, seed_everything, plan_batches); plumbing/metrics.py
+(Progress, test_sums), plumbing/checkpoint.py.
 """
 
 import datetime
@@ -26,12 +26,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
-import checkpoint
 import common
-import data
-import flags
-import metrics
-from model import build_model
+from plumbing import checkpoint, data, flags, metrics
+from plumbing.model import build_model
 
 
 def setup(args):

@@ -16,7 +16,7 @@ Look for: "compile=on", then "first step N s" (the compile) far above a normal s
 dropout draws other masks than eager: losses differ from step 03 unless you pass --no-dropout.
 
 Read also: common.py (setup_distributed: step 02's setup; describe_buckets: step 03's),
-metrics.py (Progress: first_step_seconds).
+plumbing/metrics.py (Progress: first_step_seconds).
 """
 
 import argparse
@@ -28,12 +28,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
-import checkpoint
 import common
-import data
-import flags
-import metrics
-from model import build_model
+from plumbing import checkpoint, data, flags, metrics
+from plumbing.model import build_model
 
 
 def train_one_epoch(model, loader, optimizer, run, plan, progress):

@@ -17,7 +17,7 @@ Look for: one line per rank naming its node, host, local rank and device. A hang
 means the agents never met: same --rdzv-endpoint, --rdzv-id and --nnodes on every node?
 
 Read also: common.py (setup_distributed, slurm_head_address, slurm_tasks_on_this_node),
-data.py (load_datasets: a download on each node, renamed into place).
+plumbing/data.py (load_datasets: a download on each node, renamed into place).
 """
 
 import argparse
@@ -30,12 +30,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
-import checkpoint
 import common
-import data
-import flags
-import metrics
-from model import build_model
+from plumbing import checkpoint, data, flags, metrics
+from plumbing.model import build_model
 
 
 def use_srun_identity():

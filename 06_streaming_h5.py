@@ -14,8 +14,8 @@ On NFS or Lustre, export HDF5_USE_FILE_LOCKING=FALSE: reading needs no locks, an
 
 Look for: "<file>: N training samples (streamed, in chunks of C)", then step 05's accuracy.
 
-Read also: digits_h5.py (prepare_if_missing, open_checked, stream_ranges, read_rows),
-common.py (setup_distributed).
+Read also: plumbing/step06_digits_h5.py (prepare_if_missing, open_checked, stream_ranges,
+read_rows), common.py (setup_distributed).
 """
 
 import argparse
@@ -31,13 +31,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import IterableDataset, Subset, get_worker_info
 
-import checkpoint
 import common
-import data
-import digits_h5
-import flags
-import metrics
-from model import build_model
+from plumbing import checkpoint, data, flags, metrics, step06_digits_h5 as digits_h5
+from plumbing.model import build_model
 
 
 def use_srun_identity():

@@ -16,8 +16,8 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 Look for: `kill -9` one worker: torchrun restarts the group, "resumed at step S of epoch E".
 SIGTERM to torchrun: "stopping at step S of epoch E (SIGTERM): checkpoint saved".
 
-Read also: fault_tolerance.py (StopRequest, ResumableSampler, rng_state, ignore_sigterm,
-check_restart_store), checkpoint.py (save: atomic; restore).
+Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
+ignore_sigterm, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
 """
 
 import argparse
@@ -30,13 +30,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 
-import checkpoint
 import common
-import data
-import fault_tolerance
-import flags
-import metrics
-from model import build_model
+from plumbing import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
+from plumbing.model import build_model
 
 
 def use_srun_identity():

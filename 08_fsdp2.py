@@ -17,8 +17,8 @@ Run it:
 Look for: "each rank holds 599,941 of the 1,199,882 parameters", and "checkpoint ...: 0.0x s
 blocking training, then 0.x s in the background".
 
-Read also: fault_tolerance.py (StopRequest, ResumableSampler, rng_state, ignore_sigterm,
-check_restart_store), checkpoint.py (save: atomic; restore).
+Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
+ignore_sigterm, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
 """
 
 import argparse
@@ -34,12 +34,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import Subset
 
 import common
-import dcp_checkpoint
-import data
-import fault_tolerance
-import flags
-import metrics
-from model import build_model
+from plumbing import data, flags, metrics, step07_fault_tolerance as fault_tolerance
+from plumbing import step08_dcp_checkpoint as dcp_checkpoint
+from plumbing.model import build_model
 
 
 def use_srun_identity():

@@ -1,9 +1,10 @@
-"""Plumbing every step shares: who a process is, device choice, process-group setup, seeding,
+"""What every step shares: who a process is, device choice, process-group setup, seeding,
 the batch plan.
 
 Step 00 first needs it. Each numbered step keeps its own idea in its own file; what all of
-them need but none of them teaches lives here or in the small modules beside it: flags.py
-(the command line), errors.py, data.py, model.py, checkpoint.py, metrics.py, profiling.py.
+them need but none of them teaches lives here or, below it, in the plumbing/ package: the
+command line (flags.py), errors.py, data.py, model.py, checkpoint.py, metrics.py,
+profiling.py. common.py imports from plumbing/, never the other way round.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from errors import UserError, run_main  # noqa: F401 -- the steps call common.run_main
+from plumbing.errors import UserError, run_main  # noqa: F401 -- the steps call common.run_main
+from plumbing.ranks import all_ranks_agree, log  # noqa: F401 -- the steps call common.log
 
 
 # ---------------------------------------------------------------- who and where
@@ -164,12 +166,6 @@ def plan_batches(global_batch: int, world_size: int, max_device_batch: int | Non
 
 
 # ---------------------------------------------------------------- small helpers
-def log(run: Run, message: str) -> None:
-    """Print from rank 0 only: N ranks printing the same line is noise."""
-    if run.is_main:
-        print(message, flush=True)
-
-
 def announce(run: Run, args, plan: BatchPlan, script: str, **extra) -> None:
     """The start-up line: what this run is, checkable before waiting for an epoch."""
     if args.amp and not run.amp:
@@ -180,16 +176,6 @@ def announce(run: Run, args, plan: BatchPlan, script: str, **extra) -> None:
              f"{plan.per_rank}, "
              f"{plan.accumulation_steps} micro-batch(es) of {plan.micro_batch}) "
              f"threads/rank={torch.get_num_threads()} amp={run.amp} seed={args.seed}{details}")
-
-
-def all_ranks_agree(run: Run, flag: bool, any_rank: bool = False) -> bool:
-    """True only if `flag` is true on every rank (on any rank, with any_rank=True), so that
-    all ranks take the same branch."""
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([int(flag)], device=run.device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX if any_rank else dist.ReduceOp.MIN)
-    return bool(value.item())
 
 
 def slurm_tasks_on_this_node() -> int:
@@ -214,10 +200,3 @@ def slurm_head_address(nodelist: str) -> str:
         raise UserError(f"started by srun, but could not find the first node of {nodelist!r} "
                         f"({err}); export MASTER_ADDR=<first node> before srun") from None
     return next((f.split("=", 1)[1] for f in node.split() if f.startswith("NodeAddr=")), head)
-
-
-def profiler(args, run: Run):
-    """--profile: trace a few training steps per rank (see profiling.py); else a no-op."""
-    from profiling import profiler as make_profiler  # imported on use: most runs never profile
-
-    return make_profiler(args, run)

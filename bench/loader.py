@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from synthetic_digits import synthetic_digits  # noqa: E402
+from plumbing.synthetic_digits import synthetic_digits  # noqa: E402
 
 
 def epoch_rate(loader) -> float:

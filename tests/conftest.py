@@ -19,7 +19,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from synthetic_digits import synthetic_digits  # noqa: E402
+from plumbing.synthetic_digits import synthetic_digits  # noqa: E402
 
 TRAIN_SAMPLES, TEST_SAMPLES = 1200, 299  # 299 is prime: it divides over no world size
 
@@ -103,8 +103,8 @@ def run_step(script: str, args: list, *, nproc: int | None = None, probe_dir: Pa
 
 def saved_checkpoint(folder: Path) -> tuple[Path, tuple]:
     """A plain model, optimizer and scheduler, saved as <folder>/checkpoint.pt after "epoch 1"."""
-    import checkpoint
-    from model import Net
+    from plumbing import checkpoint
+    from plumbing.model import Net
 
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

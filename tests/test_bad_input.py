@@ -1,7 +1,7 @@
 """Issue 16: bad input gets one clear line on stderr (rank 0 only) and a non-zero exit, with
 nothing half-written; a stalled peer fails the run within --timeout instead of hanging.
 
-The flag checks live in flags.py, the data checks in data.py and digits_h5.py, the checkpoint
+The flag checks live in flags.py, the data checks in data.py and step06_digits_h5.py, the checkpoint
 checks in checkpoint.py, so every training step has them; each case runs the step a user would
 most likely run it with, as plain python where the case allows (cheaper).
 """
@@ -15,9 +15,8 @@ import sys
 import pytest
 import torch
 
-import checkpoint
 import common
-import data
+from plumbing import checkpoint, data
 from conftest import REPO, assert_no_traceback, run_step, saved_checkpoint, write_idx
 
 TINY = ["--data", "synthetic", "--train-samples", 96, "--test-samples", 50, "--batch-size", 48,

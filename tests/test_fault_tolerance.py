@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import checkpoint
-import dcp_checkpoint
-import fault_tolerance
+from plumbing import checkpoint
+from plumbing import step07_fault_tolerance as fault_tolerance
+from plumbing import step08_dcp_checkpoint as dcp_checkpoint
 from conftest import (REPO, RESTART_ARGS, base_env, max_difference, rank_params, read_summary,
                       run_step, saved_checkpoint, torchrun_cmd)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import common
-from model import Net
-from synthetic_digits import synthetic_digits
+from plumbing.model import Net
+from plumbing.synthetic_digits import synthetic_digits
 from conftest import (TRAIN_SAMPLES, assert_no_traceback, read_summary, run_step,
                       torchrun_cmd, launch)
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import dcp_checkpoint
 from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, base_env,
                       read_summary, run_step)
-from model import Net
+from plumbing import step08_dcp_checkpoint as dcp_checkpoint
+from plumbing.model import Net
 
 STEP = "08_fsdp2.py"
 

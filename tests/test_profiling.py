@@ -18,9 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import profiling
-import timeline
 from conftest import REPO, assert_no_traceback, launch, run_step
+from plumbing import profiling
+
+sys.path.insert(0, str(REPO / "bench"))
+import timeline  # noqa: E402  (bench/timeline.py)
 
 ARGS = ["--data", "mnist", "--train-samples", 960, "--test-samples", 100, "--batch-size", 96,
         "--epochs", 1, "--profile"]  # 10 steps per epoch: steps 3-5 are recorded
@@ -241,6 +243,6 @@ def test_the_timeline_draws_02s_all_reduce_after_backward_and_03s_inside_it(ddp_
                 assert min(communication) >= backward_end, (trace, phases)
             assert phases["optimizer"] and phases["optimizer"][0][0] >= backward_end
     picture = tmp_path / "overlap.png"
-    launch([sys.executable, str(REPO / "timeline.py"), str(manual_run.out), str(ddp_run.out),
+    launch([sys.executable, str(REPO / "bench" / "timeline.py"), str(manual_run.out), str(ddp_run.out),
             "-o", str(picture)])
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000

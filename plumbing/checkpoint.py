@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from common import log
-from errors import UserError
+from .errors import UserError
+from .ranks import log
 
 REQUIRED = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int}
 

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from errors import launcher_rank
+from .errors import launcher_rank
 
 SEED_LIMIT = 2**32  # numpy's legacy seeding, the narrowest of the RNGs we seed, takes 0 .. 2**32-1
 

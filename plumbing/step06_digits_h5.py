@@ -16,10 +16,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import all_ranks_agree
-from data import MNIST_MEAN, MNIST_STD, Digits, load_datasets, prefix
-from errors import UserError
-from flags import writable_dir
+from .data import MNIST_MEAN, MNIST_STD, Digits, load_datasets, prefix
+from .errors import UserError
+from .flags import writable_dir
+from .ranks import all_ranks_agree
 
 
 def check_writable(path: Path) -> None:

@@ -4,7 +4,7 @@ in step 02, inside it in step 03.
 
     torchrun --standalone --nproc-per-node 2 02_manual_ddp.py --profile
     torchrun --standalone --nproc-per-node 2 03_ddp_wrapper.py --profile
-    python timeline.py runs/02_manual_ddp runs/03_ddp_wrapper -o overlap.png
+    python bench/timeline.py runs/02_manual_ddp runs/03_ddp_wrapper -o overlap.png
 
 It reads the traces that --profile writes (<run>/profile/rank<R>.<time>.pt.trace.json) and draws,
 of the recorded steps, the one whose slowest rank was fastest: the step least disturbed by
@@ -19,7 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from profiling import COMM_MARKERS, DEVICE_CATEGORIES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root
+from plumbing.profiling import COMM_MARKERS, DEVICE_CATEGORIES  # noqa: E402
 
 PHASES = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
           "communication": "#c44e52", "device compute": "#8172b3",

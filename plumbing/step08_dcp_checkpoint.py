@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-import checkpoint
-from common import log
-from errors import UserError
-from model import build_model
+from . import checkpoint
+from .errors import UserError
+from .model import build_model
+from .ranks import log
 
 
 def complete_folder(path: Path) -> Path:

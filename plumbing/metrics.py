@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import log
-from errors import UserError
+from .errors import UserError
+from .ranks import log
 
 CHECK_EVERY = 10  # steps between loss checks: each is a host-device sync (and a collective)
 TERMINAL_SECONDS = 0.5  # how often a terminal's live line is redrawn
@@ -55,7 +55,7 @@ class Progress:
         self.profiler = None
 
     def __enter__(self):
-        from common import profiler  # --profile: a real profiler; otherwise a no-op
+        from .profiling import profiler  # imported on use: most runs never profile
 
         self.profiler = profiler(self.args, self.run).__enter__()
         return self

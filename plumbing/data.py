@@ -1,7 +1,7 @@
 """The data: MNIST through torchvision's real reader, or built-in synthetic digits offline.
 
 Step 00 first needs it. Both sets are held in memory as uint8 (47 MB for MNIST) and normalised
-batch by batch; step 06 streams the training set from HDF5 instead (digits_h5.py).
+batch by batch; step 06 streams the training set from HDF5 instead (step06_digits_h5.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from common import all_ranks_agree
-from errors import UserError
+from .errors import UserError
+from .ranks import all_ranks_agree
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # pixel statistics of the MNIST training set
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -90,7 +90,7 @@ def load_datasets(args, run, download: bool) -> tuple[Digits, Digits]:
         if args.data == "auto" and run.is_main:
             print(f"warning: MNIST not in {mnist_dir} and not downloadable; using built-in "
                   f"synthetic digits (--data synthetic to silence this)", flush=True)
-        from synthetic_digits import synthetic_digits
+        from .synthetic_digits import synthetic_digits
 
         train = Digits(*synthetic_digits(args.train_samples or 60_000, seed=1))
         test = Digits(*synthetic_digits(args.test_samples or 10_000, seed=2))

@@ -1,5 +1,5 @@
 """Built-in synthetic digits, so every step runs offline: when MNIST is neither on disk nor
-downloadable, common.load_datasets falls back to these (with one warning line).
+downloadable, data.load_datasets falls back to these (with one warning line).
 
 They are drawn like handwriting: a pen path per digit, bent, sheared, rotated and inked at a
 random width, so a CNN learns them the way it learns MNIST (not instantly, not perfectly).

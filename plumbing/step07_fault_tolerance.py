@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-import data
-from errors import UserError
+from . import data
+from .errors import UserError
 
 EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
 
