@@ -105,7 +105,7 @@ def print_table(rows, seconds: float) -> None:
             rate = f"{summary['samples_per_sec']:,.0f}" if summary["samples_per_sec"] else "n/a"
         print(f"{script[:2]:<5}{idea:<52}{world:>5}{accuracy:>10}{rate:>11}   {next_read}")
     print("\nA few thousand samples per step: accuracies are low and samples/s only indicative"
-          " (two processes share this machine's cores; see the README's Benchmarks).")
+          " (two processes share this machine's cores; see docs/benchmarks.md).")
 
 
 if __name__ == "__main__":
