@@ -56,6 +56,7 @@ def evaluate(model, loader, run):
 def main():
     args = flags.parser(__doc__, __file__).parse_args()  # every flag is checked here
     run = common.Run(common.choose_device(args.device), amp=args.amp)
+    common.set_deterministic(args.deterministic)  # GPUs too: the same seed, the same bits
     train_set, test_set = data.load_datasets(args, run, download=True)
     plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
                                len(train_set))

@@ -40,6 +40,7 @@ def setup(args):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the group's store is hosted
     os.environ.setdefault("MASTER_PORT", "0")  # (0: any free port; plain python only)
     device = common.choose_device(args.device, local_rank, local_ranks)  # cuda:<local_rank>/CPU
+    common.set_deterministic(args.deterministic)  # GPUs too: the same seed, the same bits
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo on CPUs
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it

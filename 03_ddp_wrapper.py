@@ -42,6 +42,7 @@ def setup(args):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the group's store is hosted
     os.environ.setdefault("MASTER_PORT", "0")  # (0: any free port; plain python only)
     device = common.choose_device(args.device, local_rank, local_ranks)  # cuda:<local_rank>/CPU
+    common.set_deterministic(args.deterministic)  # GPUs too: the same seed, the same bits
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo on CPUs
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
@@ -150,7 +151,10 @@ def main():
             samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            test = evaluate(raw_model, test_loader, run)  # no DDP: eval shards differ in size
+            # The raw model, not DDP: DDP's forward broadcasts the module's buffers (BatchNorm's
+            # statistics; this CNN has none) from rank 0, and test shards can differ in size,
+            # so a rank with one batch more would wait in a broadcast no peer joins.
+            test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
                 common.log(run, describe_buckets(model))

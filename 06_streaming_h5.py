@@ -119,8 +119,10 @@ class StreamingDigits(IterableDataset):
         if self.steps == 0:
             raise common.UserError(f"{count} training samples do not fill one global batch of "
                                    f"{world_size * batch_size}")
-        # Persistent DataLoader workers keep their own copy of this object: set_epoch() must
-        # write where they can read it, in shared memory.
+        # Each DataLoader worker holds its own copy of this object. make_loader's workers are
+        # started anew each epoch, after set_epoch(), so a plain int would reach them; in
+        # shared memory it stays right with persistent_workers=True too, where a worker's
+        # copy is made once and set_epoch() must write where it can still be read.
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def set_epoch(self, epoch):
@@ -230,7 +232,10 @@ def main():
             samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            test = evaluate(raw_model, test_loader, run)  # no DDP: eval shards differ in size
+            # The raw model, not DDP: DDP's forward broadcasts the module's buffers (BatchNorm's
+            # statistics; this CNN has none) from rank 0, and test shards can differ in size,
+            # so a rank with one batch more would wait in a broadcast no peer joins.
+            test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
                 common.log(run, common.describe_buckets(model))  # as in 03

@@ -213,7 +213,10 @@ def main():
             samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            test = evaluate(raw_model, test_loader, run)  # no DDP: eval shards differ in size
+            # The raw model, not DDP: DDP's forward broadcasts the module's buffers (BatchNorm's
+            # statistics; this CNN has none) from rank 0, and test shards can differ in size,
+            # so a rank with one batch more would wait in a broadcast no peer joins.
+            test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
                 common.log(run, common.describe_buckets(model))  # as in 03

@@ -40,7 +40,9 @@ class Run:
     hostname: str = socket.gethostname()
 
     def __post_init__(self):
-        self.amp = bool(self.amp and self.device.type == "cuda" and torch.cuda.is_bf16_supported())
+        # A V100 or T4 "supports" bf16 only by emulating it, slower than float32: not counted.
+        self.amp = bool(self.amp and self.device.type == "cuda"
+                        and torch.cuda.is_bf16_supported(including_emulation=False))
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if self.world_size == 1 and launched > 1:  # e.g. torchrun --nproc-per-node 2 00_...
             raise UserError(f"this step trains in one process; start it with plain python, "
@@ -85,6 +87,21 @@ def choose_device(choice: str, local_rank: int = 0, local_world_size: int = 1) -
     return device
 
 
+def set_deterministic(on: bool) -> None:
+    """--deterministic: the same seed gives the same bits on a GPU too. (On the CPU every kernel
+    these steps use is deterministic already.) Without it, cuDNN runs the convolution algorithm
+    its autotuner found fastest, and some CUDA kernels add with atomics, in whatever order the
+    threads arrive: two runs, or a run and its resume, differ in the last bits."""
+    if not on:
+        return
+    # cuBLAS repeats its results only with a fixed workspace, set before its first call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False  # the same convolution algorithm every run
+    torch.backends.cudnn.deterministic = True
+    # An op with no deterministic kernel warns, naming itself, rather than stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 # ---------------------------------------------------------------- the process group
 def setup_distributed(args) -> Run:
     """Join the process group, as step 02's setup() writes out (steps 04 on call this)."""
@@ -95,6 +112,7 @@ def setup_distributed(args) -> Run:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # plain python: a world of one
     os.environ.setdefault("MASTER_PORT", "0")
     device = choose_device(args.device, local_rank, local_ranks)
+    set_deterministic(args.deterministic)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
@@ -175,7 +193,8 @@ def announce(run: Run, args, plan: BatchPlan, script: str, **extra) -> None:
              f"batch={plan.global_batch} (= {run.world_size} rank{'s' * (run.world_size > 1)} x "
              f"{plan.per_rank}, "
              f"{plan.accumulation_steps} micro-batch(es) of {plan.micro_batch}) "
-             f"threads/rank={torch.get_num_threads()} amp={run.amp} seed={args.seed}{details}")
+             f"threads/rank={torch.get_num_threads()} amp={run.amp} seed={args.seed} "
+             f"deterministic={'on' if args.deterministic else 'off'}{details}")
 
 
 def slurm_tasks_on_this_node() -> int:

@@ -106,6 +106,9 @@ def parser(doc: str, script: str) -> Parser:
                        "per-rank batches are split into micro-batches whose gradients accumulate")
     train.add_argument("--lr", type=positive_float("--lr"), default=0.05)
     train.add_argument("--seed", type=integer(0, SEED_LIMIT - 1, "--seed"), default=0)
+    train.add_argument("--deterministic", action="store_true",
+                       help="bit-for-bit repeats on GPUs too: deterministic kernels, no cuDNN "
+                            "autotuning (the CPU is deterministic already)")
     train.add_argument("--no-dropout", dest="dropout", action="store_false",
                        help="turn dropout off (tests use it to compare runs weight for weight)")
     # Benchmarks only (hidden from --help): multiply fc1's hidden units, so that there are

@@ -1,15 +1,17 @@
 """Issue 11: common.py, step 00 and step 01, run as real processes on the CPU."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import common
+from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, launch, read_summary,
+                      run_step, torchrun_cmd)
 from plumbing.model import Net
 from plumbing.synthetic_digits import synthetic_digits
-from conftest import (TRAIN_SAMPLES, assert_no_traceback, read_summary, run_step,
-                      torchrun_cmd, launch)
 
 SMALL = ["--train-samples", 512, "--test-samples", 200, "--batch-size", 64]
 
@@ -39,12 +41,13 @@ def test_00_trains_on_mnist_files_through_torchvision(mnist_root, tmp_path):
 # ---------------------------------------------------------------- seeding and synthetic digits
 @pytest.fixture(scope="module")
 def synthetic_runs(tmp_path_factory):
-    """Three short runs of step 00: auto falling back offline, explicit synthetic, other seed."""
+    """Three short runs of step 00: auto falling back offline, explicit synthetic (with
+    --deterministic, which on the CPU must change nothing), other seed."""
     root = tmp_path_factory.mktemp("synthetic")
     empty_data_dir = root / "no-data"
     runs = {}
     for name, args in [("auto", ["--data", "auto", "--data-dir", empty_data_dir]),
-                       ("synthetic", ["--data", "synthetic"]),
+                       ("synthetic", ["--data", "synthetic", "--deterministic"]),
                        ("seed1", ["--data", "synthetic", "--seed", 1])]:
         out = root / name
         proc = run_step("00_single_gpu.py", [*args, *SMALL, "--train-samples", 2048,
@@ -61,8 +64,10 @@ def test_auto_falls_back_to_synthetic_digits_with_one_warning(synthetic_runs):
 
 
 def test_same_seed_gives_the_same_run(synthetic_runs):
-    _, auto, auto_weights = synthetic_runs["auto"]
-    _, synthetic, synthetic_weights = synthetic_runs["synthetic"]
+    auto_run, auto, auto_weights = synthetic_runs["auto"]
+    synthetic_run, synthetic, synthetic_weights = synthetic_runs["synthetic"]
+    # The start-up line says which mode runs; on the CPU both give the same bits.
+    assert "deterministic=off" in auto_run.stdout and "deterministic=on" in synthetic_run.stdout
     _, other, other_weights = synthetic_runs["seed1"]
     assert auto["train_losses"] == synthetic["train_losses"]  # exactly, not approximately
     assert auto["test_loss"] == synthetic["test_loss"]
@@ -160,3 +165,19 @@ def test_training_set_prefix_is_checked(mnist_root, tmp_path):
                                          "--out-dir", tmp_path], check=False)
     assert proc.returncode == 2 and "has 1200" in proc.stderr, proc.stderr
     assert_no_traceback(proc)
+
+
+def test_deterministic_mode_sets_what_gpus_need():
+    """--deterministic's settings, in a fresh interpreter (they are process-wide)."""
+    code = ("import os, torch, common; common.set_deterministic(False); "
+            "before = (torch.are_deterministic_algorithms_enabled(), "
+            "'CUBLAS_WORKSPACE_CONFIG' in os.environ); common.set_deterministic(True); "
+            "print(before, torch.are_deterministic_algorithms_enabled(), "
+            "torch.is_deterministic_algorithms_warn_only_enabled(), "
+            "torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, "
+            "os.environ['CUBLAS_WORKSPACE_CONFIG'])")
+    env = {k: v for k, v in base_env().items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, check=True).stdout.split(") ")
+    assert out[0] == "(False, False"  # off: nothing changed
+    assert out[1].split() == ["True", "True", "False", "True", ":4096:8"]
