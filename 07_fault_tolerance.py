@@ -98,14 +98,20 @@ def evaluate(model, loader, run):
 
 
 def report_topology(run):
-    """Every rank says where it runs; rank 0 prints one line per rank. Returns the node count."""
+    """Every rank says where it runs, and the variables that steer how the group connects
+    which it inherited (often left over in a shell or a module file, and different per node);
+    rank 0 prints one line per rank. Returns the node count."""
     node_rank = int(os.environ.get("GROUP_RANK", 0))  # torchrun's name for the node rank
-    me = (node_rank, run.hostname, run.rank, run.local_rank, str(run.device))
+    steering = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items())
+                        if name == "NODE_RANK" or name.startswith("NCCL_")
+                        or name.endswith("_SOCKET_IFNAME"))
+    me = (node_rank, run.hostname, run.rank, run.local_rank, str(run.device), steering)
     everyone = [None] * run.world_size
     dist.all_gather_object(everyone, me)  # a collective: every rank must call it
-    for node, host, rank, local_rank, device in everyone:
+    for node, host, rank, local_rank, device, steering in everyone:
         common.log(run, f"[node {node} {host}] rank {rank}/{run.world_size} "
-                        f"local rank {local_rank} on {device}")
+                        f"local rank {local_rank} on {device}"
+                        + (f" ({steering})" if steering else ""))
     return len({node for node, *_ in everyone})
 
 

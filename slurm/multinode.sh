@@ -103,6 +103,13 @@ fi
 # A port derived from the job id, so two jobs sharing a node do not pick the same one.
 PORT=$((15000 + SLURM_JOB_ID % 15000))  # 15000-29999: below the ports Linux hands out itself (32768+)
 
+# Network interfaces: if the nodes cannot connect although the address above is right, name the
+# interface that reaches the other nodes (`ip -br addr` lists them; not docker0 or a management
+# network). NCCL (GPUs) reads one variable and gloo another; gloo is used on GPU clusters too, by
+# steps 08 and 09 for their background checkpoint saves. 05 on prints what each rank inherited.
+# export NCCL_SOCKET_IFNAME=ib0
+# export GLOO_SOCKET_IFNAME=ib0
+
 # If you add torchrun --max-restarts: a restarted group must meet at a fresh store, not at the one
 # the dead group left its addresses in (pytorch/pytorch#135712). Harmless without restarts.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1

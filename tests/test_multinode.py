@@ -33,8 +33,11 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
     # sets that for 2 processes per node but not for 1, and another thread count sums the
     # convolutions in another order (weights then differ by ~1e-8).
     env = base_env(PROBE_DIR=out / "probe", OMP_NUM_THREADS=1)
-    nodes = [subprocess.Popen(agent, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    # One "node" names its network interface for gloo, as a cluster's module file may: 05
+    # reports such variables per rank, so a node set up differently shows.
+    envs = [{**env, "GLOO_SOCKET_IFNAME": "lo"}, env]
+    nodes = [subprocess.Popen(agent, cwd=REPO, env=node_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for node_env in envs]
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)
 
@@ -43,6 +46,9 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
     printed = "".join(outputs)  # rank 0 runs in whichever agent the rendezvous made node 0
     assert "[node 0 " in printed and "rank 0/2 local rank 0" in printed
     assert "[node 1 " in printed and "rank 1/2 local rank 0" in printed
+    rank_lines = [line for line in printed.splitlines() if "/2 local rank 0 on cpu" in line]
+    assert len(rank_lines) == 2, printed
+    assert sum(line.endswith(" (GLOO_SOCKET_IFNAME=lo)") for line in rank_lines) == 1, rank_lines
 
     # The same job on one node with two processes computes the same thing.
     one_node = tmp_path / "one_node"
