@@ -110,7 +110,7 @@ def main():
         start_epoch = checkpoint.restore(args.resume, run, raw_model, optimizer,
                                          scheduler)["epoch"]
 
-    results, test = metrics.Metrics(run, args.out_dir), None
+    results, test = metrics.Metrics(run, args), None
     with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
             # Shuffling and dropout draw from these numbers alone, so a run resumed at this

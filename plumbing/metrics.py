@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .errors import UserError
+from .flops import peak_flops, training_flops_per_sample
 from .ranks import log
 
 CHECK_EVERY = 10  # steps between loss checks: each is a host-device sync (and a collective)
@@ -176,15 +177,26 @@ def test_results(sums: torch.Tensor) -> dict:
             "correct": int(correct), "samples": int(count)}
 
 
+def flop_rate(flops_per_sec: float) -> str:
+    """34.5 GFLOP/s, 1.20 TFLOP/s: the unit that keeps the number short."""
+    for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if flops_per_sec >= scale:
+            return f"{flops_per_sec / scale:.3g} {unit}"
+    return f"{flops_per_sec / 1e6:.3g} MFLOP/s"
+
+
 class Metrics:
     """One line and TensorBoard scalars per epoch (rank 0), and summary.json at the end."""
 
-    def __init__(self, run, out_dir: Path):
-        self.run, self.out_dir, self.writer, self.train_losses = run, out_dir, None, []
+    def __init__(self, run, args):
+        self.run, self.out_dir, self.writer, self.train_losses = run, args.out_dir, None, []
+        # The model's training FLOPs per sample, counted once (flops.py): samples/s per rank
+        # times this is the arithmetic each rank achieves, which MFU compares with its peak.
+        self.flops_per_sample = training_flops_per_sample(args)
         if run.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(out_dir))
+            self.writer = SummaryWriter(log_dir=str(args.out_dir))
 
     def epoch(self, epoch: int, train_loss: float, test: dict, samples_per_sec: float | None,
               lr: float) -> None:
@@ -193,10 +205,13 @@ class Metrics:
                            f"weights became NaN or infinite; stopped without saving them. Try "
                            f"a lower --lr (now {lr:g})")
         self.train_losses.append(train_loss)
-        rate = "n/a" if samples_per_sec is None else f"{samples_per_sec:,.0f}"
+        rate = "n/a samples/s"
+        if samples_per_sec is not None:
+            per_rank = samples_per_sec / self.run.world_size * self.flops_per_sample
+            rate = f"{samples_per_sec:,.0f} samples/s ({flop_rate(per_rank)} per rank)"
         log(self.run, f"epoch {epoch + 1}: train loss {train_loss:.4f}  test loss "
                       f"{test['loss']:.4f}  test accuracy {100 * test['accuracy']:.2f}% "
-                      f"({test['correct']}/{test['samples']})  {rate} samples/s")
+                      f"({test['correct']}/{test['samples']})  {rate}")
         if self.writer:
             scalars = {"train/loss": train_loss, "test/loss": test["loss"],
                        "test/accuracy": test["accuracy"], "train/lr": lr}
@@ -208,6 +223,12 @@ class Metrics:
 
     def summary(self, script: str, args, plan, test: dict, progress: Progress, **extra) -> dict:
         """Write <out-dir>/summary.json (rank 0) and return what was written."""
+        achieved, peak, source = None, None, None
+        if progress.samples_per_sec is not None:
+            achieved = progress.samples_per_sec / self.run.world_size * self.flops_per_sample
+        if self.run.is_main:  # rank 0 measures or looks up its peak; ranks are alike
+            bf16 = self.run.amp or bool(getattr(args, "mixed_precision", False))  # 08: FSDP2's
+            peak, source = peak_flops(self.run.device, bf16=bf16)
         summary = {
             "script": Path(script).name, "world_size": self.run.world_size,
             "device": str(self.run.device), "backend": getattr(self.run, "backend", None),
@@ -219,7 +240,10 @@ class Metrics:
             "test_accuracy": test["accuracy"], "test_correct": test["correct"],
             "test_samples": test["samples"], "samples_per_sec": progress.samples_per_sec,
             "first_step_seconds": progress.first_step_seconds,
-            "train_seconds": progress.train_seconds, **extra}
+            "train_seconds": progress.train_seconds,
+            "flops_per_sample": self.flops_per_sample, "flops_per_sec_per_rank": achieved,
+            "peak_flops_per_rank": peak, "peak_source": source,
+            "mfu": achieved / peak if achieved and peak else None, **extra}
         if self.run.is_main:
             write_json_atomic(self.out_dir / "summary.json", summary)
             if self.writer:

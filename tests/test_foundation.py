@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 import common
 from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, launch, read_summary,
                       run_step, torchrun_cmd)
+from plumbing import flops
 from plumbing.model import Net
 from plumbing.synthetic_digits import synthetic_digits
 
@@ -181,3 +183,29 @@ def test_deterministic_mode_sets_what_gpus_need():
                          text=True, check=True).stdout.split(") ")
     assert out[0] == "(False, False"  # off: nothing changed
     assert out[1].split() == ["True", "True", "False", "True", ":4096:8"]
+
+
+# ---------------------------------------------------------------- FLOPs and MFU
+def test_training_flops_are_counted_layer_by_layer():
+    """FlopCounterMode's count equals the count by hand: 2 FLOPs (multiply, add) per weight use
+    in forward; backward computes the gradients of the weights and of each layer's input (not
+    of the images), each as costly as forward."""
+    conv1 = 2 * 26 * 26 * 32 * 1 * 9  # output positions x channels x inputs per output
+    conv2 = 2 * 24 * 24 * 64 * 32 * 9
+    fc1, fc2 = 2 * 9216 * 128, 2 * 128 * 10
+    forward = conv1 + conv2 + fc1 + fc2
+    backward = conv1 + 2 * (conv2 + fc1 + fc2)  # conv1: weights only
+    assert flops.training_flops_per_sample(SimpleNamespace(width=1)) == forward + backward
+    assert forward + backward == 71_565_312  # 10x the 6 x 1.2 M parameters of the rule of thumb
+    assert flops.training_flops_per_sample(SimpleNamespace(width=2)) > forward + backward
+
+
+def test_every_run_reports_flops_and_mfu(synthetic_runs):
+    proc, summary, _ = synthetic_runs["synthetic"]
+    assert summary["flops_per_sample"] == 71_565_312
+    assert re.search(r"epoch 2: .* [\d,]+ samples/s \([\d.]+ [GMT]FLOP/s per rank\)$", proc.stdout,
+                     re.M), proc.stdout
+    assert summary["flops_per_sec_per_rank"] == pytest.approx(
+        summary["samples_per_sec"] * summary["flops_per_sample"])
+    assert summary["peak_source"].startswith("CPU: a float32 matmul measured here")
+    assert 0 < summary["mfu"] < 1  # a CPU peak measured on the same cores bounds the run
