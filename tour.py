@@ -7,8 +7,10 @@ Each step runs the way you would run it yourself (plain python, or torchrun with
 2 CPU processes, or 2 GPUs when there are) for one short epoch, and you see its own output as it
 goes. The table at the end comes from the steps' own runs/tour/<step>/summary.json files: what
 each step adds, its world size, test accuracy and samples/s, and the diff to read next. Step
-04 compiles (once, 15-25 s on a CPU); every other step runs eagerly. Any step that fails stops
-the tour with its exit code.
+04 compiles (once, 15-25 s on a CPU); every other step runs eagerly (`--no-compile` for the
+steps that compile by default on GPUs) and with `--deterministic`, so that the steps that
+compute the same thing print the same accuracy on GPUs too, as they do on the CPU. Any step
+that fails stops the tour with its exit code.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ STEPS = [
     ("04_ddp_compile.py", True, "torch.compile on top of DDP",
      "diff -u 03_ddp_wrapper.py 04_ddp_compile.py", ["--compile"]),
     ("05_multinode.py", True, "many nodes: global, local and node rank",
-     "diff -u 04_ddp_compile.py 05_multinode.py", []),
+     "diff -u 04_ddp_compile.py 05_multinode.py", ["--no-compile"]),
     ("06_streaming_h5.py", True, "side trip: stream the data from HDF5",
-     "diff -u 05_multinode.py 06_streaming_h5.py", []),
+     "diff -u 05_multinode.py 06_streaming_h5.py", ["--no-compile"]),
     ("07_fault_tolerance.py", True, "restarts, preemption, exact resume",
-     "diff -u 05_multinode.py 07_fault_tolerance.py", ["--checkpoint-every", "5"]),
+     "diff -u 05_multinode.py 07_fault_tolerance.py", ["--no-compile", "--checkpoint-every", "5"]),
     ("08_fsdp2.py", True, "FSDP2: shard weights, checkpoint with DCP",
      "diff -u 07_fault_tolerance.py 08_fsdp2.py", []),
 ]
@@ -71,7 +73,7 @@ def main():
     processes = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
     shared = ["--data", args.data, "--data-dir", str(args.data_dir), "--epochs", "1",
               "--train-samples", str(args.samples), "--test-samples", str(args.test_samples),
-              "--batch-size", "128"]
+              "--batch-size", "128", "--deterministic"]
     rows, started = [], time.monotonic()
     for script, distributed, idea, next_read, extra in STEPS:
         out = args.out_dir / Path(script).stem
