@@ -119,6 +119,21 @@ def configs(opts) -> list[Config]:
                    [*data, "--batch-size", 2 * per_rank, "--checkpoint-every", "0",
                     "--width", "8"], nproc=2, env=one_thread),
         ],
+        "minimal": [  # 03 against the plainest DDP loop: what the tutorial's machinery costs
+            Config("minimal", "minimal DDP loop (bench/minimal_ddp.py)", "bench/minimal_ddp.py",
+                   ["--train-samples", str(opts.samples), "--test-samples", "500", "--epochs",
+                    "1", "--batch-size", 2 * per_rank], nproc=2, env=one_thread),
+            Config("minimal", "03", "03_ddp_wrapper.py", [*data, "--batch-size", 2 * per_rank],
+                   nproc=2, env=one_thread),
+        ],
+        "exposed": [  # the profiler's breakdown: communication that no compute hides
+            Config("exposed", "03, 1 rank, --profile", "03_ddp_wrapper.py",
+                   [*data, "--batch-size", per_rank, "--profile"], nproc=1, metric="exposed",
+                   env=one_thread),
+            Config("exposed", "03, 2 ranks, --profile", "03_ddp_wrapper.py",
+                   [*data, "--batch-size", 2 * per_rank, "--profile"], nproc=2,
+                   metric="exposed", env=one_thread),
+        ],
         "allreduce": [
             Config("allreduce", "01 --bench, 2 ranks, largest message", "01_torch_dist_allreduce.py",
                    ["--bench", "--max-mb", "16"], nproc=2, metric="busbw", env=one_thread),
@@ -160,8 +175,12 @@ def run_once(config: Config, out_dir: Path) -> float:
         return float(rows[-1][3])
     if config.metric == "wall":
         return wall
+    if config.metric == "exposed":  # percent of rank 0's mean profiled step
+        breakdown = json.loads((out_dir / "profile" / "summary_rank0.json").read_text())
+        return 100 * breakdown["exposed_comm_ms"] / breakdown["step_ms"]
     summary = json.loads((out_dir / "summary.json").read_text())
-    for key in ("first_step_seconds", "train_seconds", "params_per_rank", "params_total"):
+    for key in ("first_step_seconds", "train_seconds", "params_per_rank", "params_total",
+                "mfu"):
         config.extras.setdefault(key, []).append(summary.get(key))
     return summary[config.metric]
 
@@ -214,9 +233,16 @@ def report(chosen: list[Config], opts) -> str:
                 comparison = f"{compare(group[0], config)} vs {group[0].name}"
             if row == "scaling" and i == 1:
                 efficiency = med / (2 * spread(group[0].values)[0])
-                comparison = f"scaling efficiency {efficiency:.2f} (samples/s(2) / 2 x samples/s(1))"
-            unit = {"busbw": "GB/s bus bandwidth", "wall": "s per run"}.get(config.metric,
+                comparison = (f"scaling efficiency {efficiency:.2f} "
+                              f"(samples/s(2) / 2 x samples/s(1))")
+            unit = {"busbw": "GB/s bus bandwidth", "wall": "s per run",
+                    "exposed": "% of a step in exposed communication"}.get(config.metric,
                                                                           "samples/s")
+            if row == "scaling":  # how far from the hardware: achieved / peak FLOP/s
+                mfu = 100 * statistics.median(config.extras["mfu"])
+                comparison = "; ".join(filter(None, [comparison, f"MFU {mfu:.1f} %"]))
+            if row == "exposed":
+                comparison = ""  # two fractions, each read on its own
             if row == "fsdp2" and i == 1:  # tensor bytes: weights + gradients + momentum
                 held = config.extras["params_per_rank"][0][0]
                 total = config.extras["params_total"][0]
@@ -233,8 +259,8 @@ def report(chosen: list[Config], opts) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="scaling,overhead,wrapper,compile,streaming,"
-                                          "checkpoints,restart,fsdp2,allreduce")
+    parser.add_argument("--rows", default="scaling,overhead,minimal,exposed,wrapper,compile,"
+                                          "streaming,checkpoints,restart,fsdp2,allreduce")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--per-rank-batch", type=int, default=64)
