@@ -154,10 +154,10 @@ def run_once(config: Config, out_dir: Path) -> float:
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{config.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    if config.metric == "busbw":  # the last row of 01's table: size, time, algbw, busbw
-        rows = [line.split() for line in proc.stdout.splitlines()
-                if re.match(r"^\s*\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s*$", line)]
-        return float(rows[-1][3])
+    if config.metric == "busbw":  # the last row of 01's table: bytes, size, time, algbw, busbw
+        rows = re.findall(r"^\s*\d+\s+\d+ [KM]iB\s+[\d.]+\s+[\d.]+\s+([\d.]+)",
+                          proc.stdout, re.M)
+        return float(rows[-1])
     if config.metric == "wall":
         return wall
     summary = json.loads((out_dir / "summary.json").read_text())
