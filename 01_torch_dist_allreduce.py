@@ -97,7 +97,7 @@ def bench_all_reduce(rank: int, world_size: int, device: torch.device, max_mb: i
               f"{'bytes':>12} {'size':>10} {'time (us)':>11} {'algbw GB/s':>11} "
               f"{'busbw GB/s':>11}", flush=True)
     largest = max_mb * 2**20
-    sizes = {4096 * 2**k for k in range(20) if 4096 * 2**k <= largest}  # 4 KiB, 8 KiB, ...
+    sizes = {2**k for k in range(12, 33) if 2**k <= largest}  # 4 KiB, 8 KiB, ... 4 GiB
     for size in sorted(sizes | {s for s in DDP_BUCKETS if s <= largest}):
         # Zeros: a sum of ones would double with every call and overflow; speed is the same.
         data = torch.zeros(size // 4, dtype=torch.float32, device=device)

@@ -72,6 +72,8 @@ def configs(opts) -> list[Config]:
         "wrapper": [  # a model with 8x the parameters, so that gradient sync matters
             Config("wrapper", "02 (sync after backward)", "02_manual_ddp.py",
                    [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
+            Config("wrapper", "02b (bucketed, overlapped, by hand)", "02b_overlap_by_hand.py",
+                   [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
             Config("wrapper", "03 (bucketed, overlapped)", "03_ddp_wrapper.py",
                    [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
         ],
