@@ -59,10 +59,10 @@ class OverlappingAllReduce:
     """Hooks that all-reduce the gradients in buckets, in the order backward() produces them."""
 
     def __init__(self, model, world_size, bucket_cap_mb=None):
-        # As DDP: 1 MiB for the first bucket, so that communication starts early, then 25 MiB;
-        # --bucket-cap-mb sets both.
-        self.first_cap, self.cap = (int(mb * 2**20) for mb in
-                                    ([bucket_cap_mb] * 2 if bucket_cap_mb else [1, 25]))
+        if bucket_cap_mb is None:  # as DDP: a small first bucket, so communication starts early
+            self.first_cap, self.cap = 2**20, 25 * 2**20
+        else:  # --bucket-cap-mb sets both
+            self.first_cap = self.cap = int(bucket_cap_mb * 2**20)
         self.world_size = world_size
         self.sync = True  # False: this backward() only accumulates (an early micro-batch)
         self.bucket = []  # parameters whose gradients are ready, not yet sent
@@ -89,7 +89,7 @@ class OverlappingAllReduce:
 
     def finish(self):
         """After backward(): send the last bucket, wait for all, copy the sums back, divide."""
-        if self.bucket:
+        if self.bucket:  # the gradients that came last, too few to fill a bucket
             self.send_bucket()
         for work, flat, params in self.in_flight:
             work.wait()  # this bucket's sum has arrived
