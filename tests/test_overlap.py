@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, max_difference, rank_params, run_step
+from conftest import REPO, assert_all_reduce_starts, max_difference, rank_params, run_step
 
 sys.path.insert(0, str(REPO / "bench"))
 import timeline  # noqa: E402  (bench/timeline.py)
@@ -62,21 +62,12 @@ def test_overlapped_by_hand_equals_02_bit_for_bit_on_2_ranks(runs, by_hand, over
 
 
 def test_the_timeline_draws_02bs_all_reduce_inside_backward_and_02s_after_it(runs):
-    """The spans bench/timeline.py draws, read from the real traces of both ranks, as the
-    timeline test of 02 against 03 (DDP) reads them."""
-    for name, overlaps in [("02", False), ("02b", True)]:
-        traces = timeline.rank_traces(runs[name])
-        assert len(traces) == 2
-        for trace, phases in zip(traces, timeline.least_disturbed(traces)):  # as drawn
-            (backward_start, backward_end), = phases["backward"]
-            communication = [a for a, b in phases["communication"]]
-            assert communication, trace.name
-            if overlaps:
-                assert backward_start < min(communication) < backward_end, (trace, phases)
-            else:
-                assert min(communication) >= backward_end, (trace, phases)
-            assert phases["optimizer"] and phases["optimizer"][0][0] >= max(
-                b for a, b in phases["communication"]), (trace, phases)  # waited for all
+    """The spans bench/timeline.py draws from the real traces of both ranks, read as for 02
+    against 03 (DDP) in test_profiling.py; and 02b's optimizer waits for every bucket."""
+    assert_all_reduce_starts(runs["02"], inside_backward=False)
+    for phases in assert_all_reduce_starts(runs["02b"], inside_backward=True):
+        last_sum = max(end for start, end in phases["communication"])
+        assert phases["optimizer"][0][0] >= last_sum, phases
 
 
 @pytest.mark.parametrize("name", ALL_REDUCES)
