@@ -14,6 +14,10 @@ Run it:
 Look for: each rank prints its tensor before and after each collective. Rank r starts with
 r + 1, so with N ranks you can check by hand: all_reduce(sum) gives N(N+1)/2 on every rank,
 the average (N+1)/2, broadcast gives rank 0's value everywhere, all_gather [1, 2, ..., N].
+With --bench: all-reduce times from 4 KiB to --max-mb (64 MiB), and the bandwidth they reach.
+A small message costs about the same time as one many times its size, so its bandwidth is
+tiny: compare the rows marked at DDP's bucket sizes (1 MiB, 25 MiB) with the 4 KiB row, the
+size of a small layer's gradient. That is why DDP (step 03) packs gradients into buckets.
 
 Read also: common.py (choose_device: this process's GPU, or the CPU).
 """
@@ -73,36 +77,49 @@ def demo_collectives(rank: int, world_size: int, device: torch.device) -> None:
     dist.barrier()
 
 
+# Message sizes DDP sends (step 03): its first bucket, and every later one by default.
+DDP_BUCKETS = {2**20: "<- DDP's first bucket", 25 * 2**20: "<- DDP's other buckets (default)"}
+
+
 def bench_all_reduce(rank: int, world_size: int, device: torch.device, max_mb: int) -> None:
     """All-reduce time over message sizes, with bandwidths as nccl-tests define them.
 
     algbw = bytes / time. busbw = algbw x 2(n-1)/n: a ring all-reduce sends and receives each
-    byte 2(n-1)/n times per rank, so busbw compares with the link's speed for any n.
+    byte 2(n-1)/n times per rank, so busbw compares with the link's speed for any n. Small
+    messages cost a nearly fixed latency, large ones approach the link's bandwidth: why DDP
+    sends gradients in buckets of megabytes rather than one all-reduce per parameter.
     """
+    repeats, warmups = 5, 2
     if rank == 0:
-        print(f"\nall_reduce on {world_size} rank(s), {device.type}, backend "
-              f"{dist.get_backend()}\n{'bytes':>12} {'time (us)':>11} {'algbw GB/s':>11} "
+        print(f"\nall_reduce of float32 on {world_size} rank(s), {device.type}, backend "
+              f"{dist.get_backend()}; time per call: the median of {repeats} timings of "
+              f"back-to-back calls\n(the slowest rank's), after {warmups} warm-up calls\n"
+              f"{'bytes':>12} {'size':>10} {'time (us)':>11} {'algbw GB/s':>11} "
               f"{'busbw GB/s':>11}", flush=True)
-    size = 4096
-    while size <= max_mb * 2**20:
-        data = torch.ones(size // 4, dtype=torch.float32, device=device)
-        iterations = max(5, min(50, 2**27 // size))
-        for _ in range(2):  # warm-up: first calls set up connections and buffers
+    largest = max_mb * 2**20
+    sizes = {2**k for k in range(12, 33) if 2**k <= largest}  # 4 KiB, 8 KiB, ... 4 GiB
+    for size in sorted(sizes | {s for s in DDP_BUCKETS if s <= largest}):
+        # Zeros: a sum of ones would double with every call and overflow; speed is the same.
+        data = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        calls = max(1, min(100, 2**24 // size))  # about 16 MiB per timing: small ones repeat
+        for _ in range(warmups):  # first calls set up connections and buffers
             dist.all_reduce(data)
-        seconds = timed(lambda: [dist.all_reduce(data) for _ in range(iterations)], device)
+        per_call = [timed(lambda: [dist.all_reduce(data) for _ in range(calls)], device) / calls
+                    for _ in range(repeats)]
         # The slowest rank decides how long a collective takes.
-        slowest = torch.tensor([seconds / iterations], dtype=torch.float64, device=device)
+        slowest = torch.tensor(per_call, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        algbw = size / slowest.item() / 1e9
+        seconds = slowest.median().item()  # (of an odd count: the middle one)
+        algbw = size / seconds / 1e9
         busbw = algbw * 2 * (world_size - 1) / world_size
         if rank == 0:
-            print(f"{size:>12} {slowest.item() * 1e6:>11.1f} {algbw:>11.3f} {busbw:>11.3f}",
-                  flush=True)
-        size *= 4
+            label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 1024} KiB"
+            print(f"{size:>12} {label:>10} {seconds * 1e6:>11.1f} {algbw:>11.3f} "
+                  f"{busbw:>11.3f}  {DDP_BUCKETS.get(size, '')}".rstrip(), flush=True)
 
 
 def timed(fn, device) -> float:
-    dist.barrier()
+    dist.barrier()  # every rank starts together
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()

@@ -5,6 +5,18 @@ gradients *during* backward(): they go into buckets, and a bucket is sent as soo
 gradients are ready, so communication overlaps the rest of the backward pass instead of
 following it. `no_sync()` skips the all-reduce on micro-batches that only accumulate.
 
+Step 02b wrote that overlap by hand. What DDP adds, as read in torch 2.14's sources
+(nn/parallel/distributed.py, c10d's reducer, _dynamo/backends/distributed.py):
+- bucket rebuilding: its first backward sends all gradients as one bucket and notes the order
+  in which they arrive; then it rebuilds its buckets once in that order (rank 0's order,
+  broadcast to all) and keeps them. Each is one flat buffer, allocated once, into which every
+  gradient is copied (times 1/N) as it arrives; buckets are all-reduced strictly in turn.
+- `no_sync()`, where 02b sets a flag by hand.
+- the C++ reducer: hooks, copies and waits run in C++, and the wait for the last bucket is
+  queued at the end of backward(), so the gradients are averaged when backward() returns.
+- under torch.compile (step 04), DDPOptimizer splits the compiled graph at bucket boundaries:
+  one fused backward would make every gradient ready at once, and nothing would overlap.
+
 Run it:
     torchrun --standalone --nproc-per-node 2 03_ddp_wrapper.py
     torchrun --standalone --nproc-per-node 2 03_ddp_wrapper.py --bucket-cap-mb 0.05

@@ -72,6 +72,8 @@ def configs(opts) -> list[Config]:
         "wrapper": [  # a model with 8x the parameters, so that gradient sync matters
             Config("wrapper", "02 (sync after backward)", "02_manual_ddp.py",
                    [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
+            Config("wrapper", "02b (bucketed, overlapped, by hand)", "02b_overlap_by_hand.py",
+                   [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
             Config("wrapper", "03 (bucketed, overlapped)", "03_ddp_wrapper.py",
                    [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
         ],
@@ -169,10 +171,10 @@ def run_once(config: Config, out_dir: Path) -> float:
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{config.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    if config.metric == "busbw":  # the last row of 01's table: size, time, algbw, busbw
-        rows = [line.split() for line in proc.stdout.splitlines()
-                if re.match(r"^\s*\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s*$", line)]
-        return float(rows[-1][3])
+    if config.metric == "busbw":  # the last row of 01's table: bytes, size, time, algbw, busbw
+        rows = re.findall(r"^\s*\d+\s+\d+ [KM]iB\s+[\d.]+\s+[\d.]+\s+([\d.]+)",
+                          proc.stdout, re.M)
+        return float(rows[-1])
     if config.metric == "wall":
         return wall
     if config.metric == "exposed":  # percent of rank 0's mean profiled step

@@ -1,10 +1,11 @@
 """Draw one training step of every rank, as the profiler recorded it: forward, backward, optimizer
 and communication, one run above the other. It shows where the all-reduce runs: after backward
-in step 02, inside it in step 03.
+in step 02, inside it in steps 02b (by hand) and 03 (DDP).
 
     torchrun --standalone --nproc-per-node 2 02_manual_ddp.py --profile
+    torchrun --standalone --nproc-per-node 2 02b_overlap_by_hand.py --profile
     torchrun --standalone --nproc-per-node 2 03_ddp_wrapper.py --profile
-    python bench/timeline.py runs/02_manual_ddp runs/03_ddp_wrapper -o overlap.png
+    python bench/timeline.py runs/02_manual_ddp runs/02b_overlap_by_hand runs/03_ddp_wrapper
 
 It reads the traces that --profile writes (<run>/profile/rank<R>.<time>.pt.trace.json) and draws,
 of the recorded steps, the one whose slowest rank was fastest: the step least disturbed by

@@ -150,3 +150,28 @@ def uninterrupted_07(mnist_root, tmp_path_factory) -> Path:
     run_step("07_fault_tolerance.py", [*RESTART_ARGS, "--data-dir", mnist_root, "--out-dir", out],
              nproc=2, probe_dir=out / "probe")
     return out
+
+
+def assert_all_reduce_starts(run_dir: Path, inside_backward: bool) -> list[dict]:
+    """The spans bench/timeline.py draws from a profiled 2-rank run, as drawn: on every rank
+    forward ends where backward starts, the optimizer runs after backward, and the first
+    communication starts while backward still runs (inside_backward) or once it has ended.
+    Returns every rank's phases."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import timeline
+
+    traces = timeline.rank_traces(run_dir)
+    assert len(traces) == 2
+    drawn = timeline.least_disturbed(traces)
+    for trace, phases in zip(traces, drawn):
+        (backward_start, backward_end), = phases["backward"]
+        (forward_start, forward_end), = phases["forward"]
+        assert 0 <= forward_start < forward_end == backward_start < backward_end
+        communication = [a for a, b in phases["communication"]]
+        assert communication, trace.name
+        if inside_backward:
+            assert backward_start < min(communication) < backward_end, (trace, phases)
+        else:
+            assert min(communication) >= backward_end, (trace, phases)
+        assert phases["optimizer"] and phases["optimizer"][0][0] >= backward_end
+    return drawn

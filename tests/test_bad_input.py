@@ -115,7 +115,7 @@ def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):
 
 # ---------------------------------------------------------------- every flag, checked first
 STEPS = {"00": "00_single_gpu.py", "01": "01_torch_dist_allreduce.py", "02": "02_manual_ddp.py",
-         "03": "03_ddp_wrapper.py", "04": "04_ddp_compile.py", "05": "05_multinode.py",
+         "02b": "02b_overlap_by_hand.py", "03": "03_ddp_wrapper.py", "04": "04_ddp_compile.py", "05": "05_multinode.py",
          "06": "06_streaming_h5.py", "07": "07_fault_tolerance.py"}
 BAD_FLAGS = [  # (step, arguments, what the one line must say)
     *[(step, ["--epochs", value], "--epochs") for step in ("00", "03") for value in ("0", "-1")],
@@ -139,6 +139,7 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("00", ["--data", "imagenet"], "invalid choice: 'imagenet'"),
     ("00", ["--resume", "/nonexistent/checkpoint.pt"], "does not exist"),
     ("03", ["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a finite number above 0"),
+    ("02b", ["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a finite number above 0"),
     ("04", ["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a finite number above 0"),
     ("06", ["--h5-chunk", "0"], "--h5-chunk must be at least 1"),
     ("06", ["--h5-compression", "zip"], "invalid choice: 'zip'"),

@@ -151,11 +151,22 @@ def test_01_collectives_give_values_checkable_by_hand(world):
         assert values[(rank, "all_gather")] == (mine, everyone)
 
 
-def test_01_bench_reports_bus_bandwidth_as_nccl_tests_define_it():
-    proc = launch(torchrun_cmd(2, "01_torch_dist_allreduce.py", "--bench", "--max-mb", 1))
-    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", proc.stdout, re.M)
-    assert [int(r[0]) for r in rows] == [4096, 16384, 65536, 262144, 1048576], proc.stdout
-    for size, micros, algbw, busbw in rows:
+BENCH_ROW = re.compile(r"^\s+(\d+)\s+(\d+) ([KM])iB\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)(?:  (.+))?$",
+                       re.M)
+
+
+def test_01_bench_sweeps_sizes_reports_bus_bandwidth_as_nccl_tests_and_marks_ddps_buckets():
+    """--max-mb 25: the smallest sweep that reaches DDP's default bucket (a few seconds)."""
+    proc = launch(torchrun_cmd(2, "01_torch_dist_allreduce.py", "--bench", "--max-mb", 25))
+    rows = BENCH_ROW.findall(proc.stdout)
+    sizes = [int(row[0]) for row in rows]
+    assert sizes == [4096 * 2**k for k in range(13)] + [25 * 2**20], proc.stdout  # 4 KiB..16 MiB
+    marked = {int(row[0]): row[6] for row in rows if row[6]}
+    assert marked == {2**20: "<- DDP's first bucket",
+                      25 * 2**20: "<- DDP's other buckets (default)"}, proc.stdout
+    for size, number, unit, micros, algbw, busbw, _ in rows:
+        assert int(number) * {"K": 2**10, "M": 2**20}[unit] == int(size)
+        assert float(micros) > 0
         assert float(algbw) == pytest.approx(int(size) / (float(micros) * 1e-6) / 1e9, rel=0.02,
                                              abs=2e-3)
         assert float(busbw) == pytest.approx(float(algbw) * 2 * (2 - 1) / 2, abs=2e-3)

@@ -18,11 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, assert_no_traceback, launch, run_step
+from conftest import REPO, assert_all_reduce_starts, assert_no_traceback, launch, run_step
 from plumbing import profiling
-
-sys.path.insert(0, str(REPO / "bench"))
-import timeline  # noqa: E402  (bench/timeline.py)
 
 ARGS = ["--data", "mnist", "--train-samples", 960, "--test-samples", 100, "--batch-size", 96,
         "--epochs", 1, "--profile"]  # 10 steps per epoch: steps 3-5 are recorded
@@ -228,20 +225,8 @@ def test_the_timeline_draws_02s_all_reduce_after_backward_and_03s_inside_it(ddp_
                                                                           manual_run, tmp_path):
     """The spans the picture draws, read from the real traces of 2 ranks: step 02 starts its
     all-reduce when backward has ended; DDP (03) starts it while backward still runs."""
-    for run, overlaps in [(manual_run, False), (ddp_run, True)]:
-        traces = timeline.rank_traces(run.out)
-        assert len(traces) == 2
-        for trace, phases in zip(traces, timeline.least_disturbed(traces)):  # as drawn
-            (backward_start, backward_end), = phases["backward"]
-            (forward_start, forward_end), = phases["forward"]
-            assert 0 <= forward_start < forward_end == backward_start < backward_end
-            communication = [a for a, b in phases["communication"]]
-            assert communication, trace.name
-            if overlaps:
-                assert backward_start < min(communication) < backward_end, (trace, phases)
-            else:
-                assert min(communication) >= backward_end, (trace, phases)
-            assert phases["optimizer"] and phases["optimizer"][0][0] >= backward_end
+    assert_all_reduce_starts(manual_run.out, inside_backward=False)
+    assert_all_reduce_starts(ddp_run.out, inside_backward=True)
     picture = tmp_path / "overlap.png"
     launch([sys.executable, str(REPO / "bench" / "timeline.py"), str(manual_run.out), str(ddp_run.out),
             "-o", str(picture)])
