@@ -46,6 +46,7 @@ def setup(args):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the group's store is hosted
     os.environ.setdefault("MASTER_PORT", "0")  # (0: any free port; plain python only)
     device = common.choose_device(args.device, local_rank, local_ranks)  # cuda:<local_rank>/CPU
+    common.set_deterministic(args.deterministic)  # GPUs too: the same seed, the same bits
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo on CPUs
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
@@ -167,7 +168,7 @@ def main():
     if args.resume:
         start_epoch = checkpoint.restore(args.resume, run, model, optimizer, scheduler)["epoch"]
 
-    results, test = metrics.Metrics(run, args.out_dir), None
+    results, test = metrics.Metrics(run, args), None
     with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
             # Shuffling and dropout draw from these numbers alone, so a run resumed at this

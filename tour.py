@@ -33,6 +33,8 @@ STEPS = [
      "read 01_torch_dist_allreduce.py whole", []),
     ("02_manual_ddp.py", True, "data parallel by hand: sampler, broadcast, all-reduce",
      "diff -u 00_single_gpu.py 02_manual_ddp.py", []),
+    ("02b_overlap_by_hand.py", True, "overlap by hand: bucketed all-reduce in backward",
+     "diff -u 02_manual_ddp.py 02b_overlap_by_hand.py", []),
     ("03_ddp_wrapper.py", True, "the DDP wrapper: buckets that overlap backward",
      "diff -u 02_manual_ddp.py 03_ddp_wrapper.py", []),
     ("04_ddp_compile.py", True, "torch.compile on top of DDP",
@@ -46,6 +48,11 @@ STEPS = [
     ("08_fsdp2.py", True, "FSDP2: shard weights, checkpoint with DCP",
      "diff -u 07_fault_tolerance.py 08_fsdp2.py", []),
 ]
+
+
+def step_id(script: str) -> str:
+    """"02b_overlap_by_hand.py" -> "02b""""
+    return script.split("_")[0]
 
 
 def command(script: str, distributed: bool, processes: int, extra: list) -> list:
@@ -84,7 +91,7 @@ def main():
             step_args += ["--h5", str(out / "digits.h5")]  # prepared from the same samples
         cmd = command(script, distributed, processes, step_args)
         shown = ["torchrun", *cmd[3:]] if distributed else ["python", *cmd[1:]]
-        print(f"\n=== {script[:2]}: {idea}\n$ {' '.join(shown)}", flush=True)
+        print(f"\n=== {step_id(script)}: {idea}\n$ {' '.join(shown)}", flush=True)
         code = subprocess.run(cmd, cwd=REPO).returncode
         if code:
             sys.exit(f"tour: {script} failed with exit code {code}; its output is above")
@@ -105,7 +112,7 @@ def print_table(rows, seconds: float) -> None:
             world = str(summary["world_size"])
             accuracy = f"{100 * summary['test_accuracy']:.1f}%"
             rate = f"{summary['samples_per_sec']:,.0f}" if summary["samples_per_sec"] else "n/a"
-        print(f"{script[:2]:<5}{idea:<52}{world:>5}{accuracy:>10}{rate:>11}   {next_read}")
+        print(f"{step_id(script):<5}{idea:<52}{world:>5}{accuracy:>10}{rate:>11}   {next_read}")
     print("\nA few thousand samples per step: accuracies are low and samples/s only indicative"
           " (two processes share this machine's cores; see docs/benchmarks.md).")
 
