@@ -216,15 +216,15 @@ def py_spy(pid: int, script: str) -> str:
 # ---------------------------------------------------------------- files for fr_trace
 def write_fr_dumps(folder: Path, records: dict[int, dict]) -> None:
     """One file per rank, as torch's analyser wants them: `python -m
-    torch.distributed.flight_recorder.fr_trace FOLDER`. gloo's dumps (torch 2.14) list the
-    default group under the key '' in pg_config while entries name it '0', and fr_trace then
-    stops with KeyError ('0', 1); renaming the key is all it needs."""
+    torch.distributed.flight_recorder.fr_trace FOLDER`. Two changes make gloo's dumps (torch
+    2.14) readable to it: pg_config lists the default group under the key '' while its entries
+    name it '0' (fr_trace stops with KeyError ('0', 1)), and every other group's entries are
+    named '' too, so they are left out: the files hold DDP's group only."""
     folder.mkdir(parents=True, exist_ok=True)
     for rank, record in records.items():
-        config = record.get("pg_config", {})
-        names = {e["process_group"][0] for e in record["entries"] if e["pg_id"] == 0}
-        if "" in config and len(names) == 1 and "" not in names:
-            config[names.pop()] = {**config.pop(""), "desc": "default_pg"}
+        entries = [e for e in record["entries"] if e["pg_id"] == 0]
+        names = {e["process_group"][0] for e in entries} or {"0"}
+        config = {names.pop(): {**record["pg_config"].get("", {}), "desc": "default_pg"}}
         tmp = folder / f".rank{rank}.tmp"
-        tmp.write_bytes(pickle.dumps(record))
+        tmp.write_bytes(pickle.dumps({**record, "entries": entries, "pg_config": config}))
         os.replace(tmp, folder / f"rank{rank}")
