@@ -22,7 +22,7 @@ The tools, all on in this step and named in its output with what they found:
                 rank's record when a collective fails, and writes files for torch's analyser;
   py-spy dump --pid PID           (optional, pip install py-spy) the line a stuck process is on.
 Set either variable yourself to override this step's choice, e.g. TORCH_DISTRIBUTED_DEBUG=OFF
-to watch gloo fail without DETAIL.
+to watch gloo fail without DETAIL (--bug shape then ends in gloo's own abort, undiagnosed).
 
 Run it:
     torchrun --standalone --nproc-per-node 2 10_debugging.py --bug skip
