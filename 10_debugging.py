@@ -159,7 +159,7 @@ def all_test_losses(losses, run, checked, args) -> torch.Tensor:
     everyone = torch.zeros(int(counts.sum()), device=run.device)
     start = int(counts[:run.rank].sum())
     everyone[start:start + len(losses)] = losses
-    dist.all_reduce(everyone, group=checked)  # every slot is written by one rank: the sum gathers them
+    dist.all_reduce(everyone, group=checked)  # each slot written by one rank: the sum gathers
     return everyone
 
 
@@ -188,44 +188,58 @@ def pending(state):
     return state["detail"] or state["pending"]
 
 
+def who_is_behind(states: dict):
+    """(ranks behind, a rank ahead), or None when no rank is behind. Behind means fewer
+    training steps; at equal steps, absent from a collective (DETAIL's monitored barrier names
+    it), or fewer collectives on DDP's group (the Flight Recorder's counts)."""
+    steps = {r: s["steps"] for r, s in states.items()}
+    absent = {r for s in states.values() for r in s["absent"]}
+    seen = {r: s["last"].get("DDP's group", {"seq": 0})["seq"] for r, s in states.items()}
+    for counts in (steps, None, seen):
+        if counts is None and absent:
+            return sorted(absent), min(set(states) - absent)
+        if counts is not None and len(set(counts.values())) > 1:
+            return ([r for r in counts if counts[r] == min(counts.values())],
+                    max(counts, key=counts.get))
+    return None
+
+
+def missed_collective(states: dict, behind: int, ahead: int) -> str:
+    """The collective the rank ahead waits in: its own record of it, else (when gloo did
+    not mark it pending) the ones on DDP's group that only the rank ahead holds."""
+    missed = pending(states[ahead])
+    newest = states[ahead]["last"].get("DDP's group")
+    first = states[behind]["last"].get("DDP's group", {"seq": 0})["seq"] + 1
+    if missed is None and newest and newest["seq"] >= first:
+        numbers = f"#{first}" if first == newest["seq"] else f"#{first}-{newest['seq']}"
+        return f"{numbers} {describe(newest).split(' ', 1)[1]} on DDP's group"
+    return describe(missed) if missed else "(none recorded)"
+
+
 def diagnose(states: dict, world_size: int) -> str:
     """One line: the rank that is behind and the collective it missed, or the shapes that
-    differ. Behind means fewer training steps; at equal steps, no collective (DETAIL's
-    monitored barrier names it) or fewer collectives (the Flight Recorder's counts)."""
+    differ, or (failing both) where each rank is."""
     gone = [r for r in range(world_size) if r not in states]
     if gone:
         return (f"rank {', '.join(map(str, gone))} died without a word (gloo aborts a process "
                 f"whose collective received more data than it expected): see its output above")
-    steps = {r: s["steps"] for r, s in states.items()}
-    absent = {r for s in states.values() for r in s["absent"]}
-    seen = {r: s["last"].get("DDP's group", {"seq": 0})["seq"] for r, s in states.items()}
-    if len(set(steps.values())) > 1:
-        behind = [r for r in steps if steps[r] == min(steps.values())]
-        ahead = max(steps, key=steps.get)
-    elif absent:
-        behind, ahead = sorted(absent), min(set(states) - absent)
-    elif len(set(seen.values())) > 1:
-        behind = [r for r in seen if seen[r] == min(seen.values())]
-        ahead = max(seen, key=seen.get)
-    else:
-        ops = {r: pending(s) for r, s in states.items()}
-        if all(ops.values()) and len({o["op"] for o in ops.values()}) == 1:
-            return (f"collective #{ops[0]['seq']} ({ops[0]['op']}) got tensors of different "
-                    f"shapes: " + "; ".join(f"rank {r} {describe(o).split(' of ')[1]} at "
-                                            f"{states[r]['where']}" for r, o in ops.items()))
-        return "ranks disagree: " + "; ".join(f"rank {r} in {describe(o) if o else 'none'} at "
-                                              f"{states[r]['where']}" for r, o in ops.items())
-    names = ", ".join(map(str, behind))
-    missed = pending(states[ahead])
-    if missed is None and seen[ahead] > seen[behind[0]]:  # the Flight Recorder's counts
-        first, newest = seen[behind[0]] + 1, states[ahead]["last"]["DDP's group"]
-        missed_text = (f"#{first}" if first == newest["seq"] else f"#{first}-") + \
-            describe(newest)[1:] + " on DDP's group"
-    else:
-        missed_text = describe(missed) if missed else "(none recorded)"
-    return (f"rank {names} is behind ({steps[behind[0]]} training steps, rank {ahead} took "
-            f"{steps[ahead]}): it missed collective {missed_text}, which rank {ahead} waits in "
-            f"at {states[ahead]['where']}; rank {behind[0]} is at {states[behind[0]]['where']}")
+    found = who_is_behind(states)
+    if found:
+        behind, ahead = found
+        steps = (f" ({states[behind[0]]['steps']} training steps, rank {ahead} took "
+                 f"{states[ahead]['steps']})" if states[behind[0]]["steps"] !=
+                 states[ahead]["steps"] else "")
+        return (f"rank {', '.join(map(str, behind))} is behind{steps}: it missed collective "
+                f"{missed_collective(states, behind[0], ahead)}, which rank {ahead} waits in "
+                f"at {states[ahead]['where']}; rank {behind[0]} is at "
+                f"{states[behind[0]]['where']}")
+    ops = {r: pending(s) for r, s in states.items()}
+    if all(ops.values()) and len({o["op"] for o in ops.values()}) == 1:
+        return (f"collective #{ops[0]['seq']} ({ops[0]['op']}) got tensors of different "
+                f"shapes: " + "; ".join(f"rank {r} {describe(o).split(' of ')[1]} at "
+                                        f"{states[r]['where']}" for r, o in ops.items()))
+    return "ranks disagree: " + "; ".join(f"rank {r} in {describe(o) if o else 'no collective'}"
+                                          f" at {states[r]['where']}" for r, o in ops.items())
 
 
 def report_failure(err, run, args, progress, watcher) -> None:

@@ -99,28 +99,42 @@ def test_fix_exits_0(tmp_path):
 
 
 # ---------------------------------------------------------------- the diagnosis alone
-def state(rank, steps, last_seq, done=True, detail=None, absent=(), where="here"):
+def state(rank, steps, last_seq, pending=None, absent=(), where="here"):
+    """A rank's published state, as 10_debugging.rank_state makes it, without the record."""
     last = {"seq": last_seq, "op": "all_reduce", "shapes": [[4]], "dtypes": ["Float"],
-            "done": done}
-    return {"rank": rank, "steps": steps, "last": last, "detail": detail,
-            "absent": list(absent), "where": where}
+            "done": pending is None}
+    return {"rank": rank, "steps": steps, "last": {"DDP's group": last}, "pending": pending,
+            "detail": None, "absent": list(absent), "where": where}
 
 
 def test_diagnosis_names_a_rank_in_no_collective():
     """DETAIL's monitored barrier names the rank that never came (same steps, same record)."""
     step = load_step()
     states = {0: state(0, 3, 7, absent=[1], where="a.py:1 in f"), 1: state(1, 3, 7)}
-    assert step.diagnose(states, 2).startswith("rank 1 is behind")
+    line = step.diagnose(states, 2)
+    assert line.startswith("rank 1 is behind") and "rank 0 waits in at a.py:1 in f" in line
 
 
 def test_diagnosis_without_detail_uses_the_flight_recorder_counts():
     """Without DETAIL, the waiting rank's record holds one collective more, not completed."""
     step = load_step()
-    states = {0: state(0, 3, 8, done=False, where="a.py:9 in g"), 1: state(1, 3, 7)}
+    waiting = {"seq": 8, "op": "all_reduce", "shapes": [[4]], "dtypes": ["Float"], "done": False}
+    states = {0: state(0, 3, 8, pending=waiting, where="a.py:9 in g"), 1: state(1, 3, 7)}
     line = step.diagnose(states, 2)
-    assert line.startswith("rank 1 is behind") and "#8 all_reduce of [4] Float" in line
+    assert line.startswith("rank 1 is behind: it missed collective #8 all_reduce of [4] Float")
+    assert "which rank 0 waits in at a.py:9 in g" in line
 
 
 def test_diagnosis_names_a_rank_that_died():
     step = load_step()
     assert step.diagnose({0: state(0, 3, 7)}, 2).startswith("rank 1 died")
+
+
+def test_diagnosis_names_the_collectives_only_the_rank_ahead_holds():
+    """gloo marked DDP's timed-out all-reduce as completed (seen here): the counts still tell."""
+    step = load_step()
+    states = {0: state(0, 5, 14, where="a.py:5 in h"), 1: state(1, 6, 16, where="a.py:7 in t")}
+    assert step.diagnose(states, 2) == (
+        "rank 0 is behind (5 training steps, rank 1 took 6): it missed collective #15-16 "
+        "all_reduce of [4] Float on DDP's group, which rank 1 waits in at a.py:7 in t; rank 0 "
+        "is at a.py:5 in h")
