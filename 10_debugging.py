@@ -14,9 +14,10 @@ tensors of the same size are silently summed wrong. The planted bugs are the one
                 DistributedSampler's padding) under the same conditions
 
 The tools, all on in this step and named in its output with what they found:
-  TORCH_DISTRIBUTED_DEBUG=DETAIL  before every collective, the ranks compare fingerprints (op,
-                shapes, dtypes) and pass a monitored barrier: a mismatch is a readable error at
-                once, and a rank that does not come is named after --timeout;
+  TORCH_DISTRIBUTED_DEBUG=DETAIL  before every collective on a group it wraps (here `checked`,
+                see setup()), the ranks pass a monitored barrier and compare fingerprints (op,
+                shapes, dtypes): a mismatch is a readable error at once, and a rank that does
+                not come is named after --timeout;
   TORCH_FR_BUFFER_SIZE=N          the Flight Recorder: each rank keeps its last N collectives
                 (sequence number, op, shapes, completed or not); this step collects every
                 rank's record when a collective fails, and writes files for torch's analyser;
@@ -41,7 +42,6 @@ docs/debugging.md (each tool in depth, what works with gloo and what does not).
 
 import datetime
 import os
-import sys
 import traceback
 
 import torch
@@ -288,6 +288,11 @@ def main():
     parser.set_defaults(timeout=10, data="synthetic", train_samples=65, test_samples=21,
                         batch_size=16, epochs=2, quiet=True)
     args = parser.parse_args()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.bug and world_size != 2:  # checked before any work starts
+        raise common.UserError(f"the planted bugs are sized for 2 processes, not {world_size}: "
+                               f"torchrun --standalone --nproc-per-node 2 10_debugging.py "
+                               f"--bug {args.bug}")
     turn_on_tools()
     run, checked = setup(args)
     train_set, test_set = data.load_datasets(args, run, download=run.is_main)
