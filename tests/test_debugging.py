@@ -138,3 +138,12 @@ def test_diagnosis_names_the_collectives_only_the_rank_ahead_holds():
         "rank 0 is behind (5 training steps, rank 1 took 6): it missed collective #15-16 "
         "all_reduce of [4] Float on DDP's group, which rank 1 waits in at a.py:7 in t; rank 0 "
         "is at a.py:5 in h")
+
+
+def test_a_bug_needs_two_processes():
+    """Checked before any process group exists: one line, exit 2."""
+    proc = run_step("10_debugging.py", ["--bug", "skip"], check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: the planted bugs are sized for 2 processes, not 1: "
+                                   "torchrun --standalone --nproc-per-node 2 10_debugging.py "
+                                   "--bug skip")
