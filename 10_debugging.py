@@ -1,0 +1,336 @@
+"""Step 10 (side trip from 03): find a hang in minutes. Three planted bugs, and the tools that
+name the rank that is behind.
+
+DDP runs one program on every rank and pairs their collectives by order alone: the n-th
+all-reduce of rank 0 meets the n-th of rank 1, whatever each rank meant by it. A rank that
+skips one, or makes one more, leaves the others waiting (until --timeout) or, with gloo, pairs
+two different collectives: tensors of different sizes crash gloo with an unreadable C++ error,
+tensors of the same size are silently summed wrong. The planted bugs are the ones learners meet:
+
+  --bug skip    an early stop decided on rank 0 alone: rank 0 leaves the loop, rank 1 trains on
+  --bug shape   a metric whose length depends on the rank's data, all-reduced as it is
+  --bug uneven  hand-made shards of different sizes: rank 0 has one more batch than rank 1
+  --fix         the corrected code (an all-reduced flag; counts first, then equal shapes;
+                DistributedSampler's padding) under the same conditions
+
+The tools, all on in this step and named in its output with what they found:
+  TORCH_DISTRIBUTED_DEBUG=DETAIL  before every collective on a group it wraps (here `checked`,
+                see setup()), the ranks pass a monitored barrier and compare fingerprints (op,
+                shapes, dtypes): a mismatch is a readable error at once, and a rank that does
+                not come is named after --timeout;
+  TORCH_FR_BUFFER_SIZE=N          the Flight Recorder: each rank keeps its last N collectives
+                (sequence number, op, shapes, completed or not); this step collects every
+                rank's record when a collective fails, and writes files for torch's analyser;
+  py-spy dump --pid PID           (optional, pip install py-spy) the line a stuck process is on.
+Set either variable yourself to override this step's choice, e.g. TORCH_DISTRIBUTED_DEBUG=OFF
+to watch gloo fail without DETAIL (--bug shape then ends in gloo's own abort, undiagnosed).
+
+Run it:
+    torchrun --standalone --nproc-per-node 2 10_debugging.py --bug skip
+    torchrun --standalone --nproc-per-node 2 10_debugging.py --bug shape
+    torchrun --standalone --nproc-per-node 2 10_debugging.py --bug uneven
+    torchrun --standalone --nproc-per-node 2 10_debugging.py --fix
+    python -m torch.distributed.flight_recorder.fr_trace runs/10_debugging/flight_recorder
+
+Look for: each --bug run ends within --timeout (10 s here) plus a few seconds, non-zero, and
+its last line starts with "diagnosis:" and names the rank that is behind and the collective it
+missed, or the shapes that differ. Then find the line marked "BUG" below.
+
+Read also: plumbing/step10_debugging.py (asking every rank for its state once one has failed),
+docs/debugging.md (each tool in depth, what works with gloo and what does not).
+"""
+
+import datetime
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, Subset
+
+import common
+from plumbing import data, flags
+from plumbing import step10_debugging as debug
+from plumbing.model import build_model
+
+EXIT_HANG = 3  # the exit code of a run whose collective failed (as in plumbing/errors.py)
+
+
+def turn_on_tools() -> None:
+    """Both variables are read when a process group is created, so set them before."""
+    os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+
+
+def setup(args):
+    """Join the process group, as step 03 does; --timeout bounds every collective. Returns
+    the run and `checked`: a second group over the same ranks for this step's own collectives.
+
+    DETAIL wraps every group created while it is on, and DDP on a wrapped gloo group crashes
+    in torch 2.14.1 (a segmentation fault while DDP is built: its logger takes the wrapper for
+    a ProcessGroupGloo). So the default group, which DDP uses, is created with DETAIL off and
+    `checked` with DETAIL on: DETAIL checks our collectives, the Flight Recorder sees DDP's."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "0")
+    device = common.choose_device(args.device, local_rank, local_ranks)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    dist.set_debug_level_from_env()  # torch.distributed read the variable when imported
+    checked = dist.new_group(backend=backend, timeout=timeout)
+    return common.Run(device, rank, local_rank, world_size, backend=backend), checked
+
+
+def training_shard(train_set, run, args):
+    """This rank's share of the training set, and the sampler to reshuffle (None if none)."""
+    if args.bug == "uneven":
+        # BUG uneven: a strided shard by hand. 65 samples give rank 0 33 and rank 1 32:
+        # 5 batches of 8 against 4, so rank 0's fifth all-reduce waits for a partner.
+        return Subset(train_set, range(run.rank, len(train_set), run.world_size)), None
+    # Fix: DistributedSampler pads with repeats until every rank has as many samples (or
+    # drop_last=True drops the rest; torch.distributed.algorithms.Join lets ranks that ran out
+    # shadow the others' collectives instead).
+    sampler = DistributedSampler(train_set, num_replicas=run.world_size, rank=run.rank,
+                                 shuffle=True, seed=args.seed)
+    return train_set, sampler
+
+
+def train_one_epoch(model, loader, optimizer, run, checked, progress):
+    """One pass over this rank's batches; returns the mean loss over every rank's samples."""
+    model.train()
+    totals = torch.zeros(2, dtype=torch.float64, device=run.device)  # loss sum, samples
+    for images, labels in loader:
+        progress["steps"] += 1  # the watcher reports it: the rank with fewer steps is behind
+        images, labels = images.to(run.device), labels.to(run.device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()  # DDP all-reduces the gradients in here: one collective per bucket
+        optimizer.step()
+        totals += torch.stack([loss.detach().double() * len(labels),
+                               torch.tensor(len(labels), dtype=torch.float64)])
+    dist.all_reduce(totals, group=checked)
+    return (totals[0] / totals[1]).item()
+
+
+def should_stop(mean_loss, run, checked, args) -> bool:
+    """Early stopping once the loss is below --stop-at-loss (default: after the first epoch)."""
+    wants_to_stop = mean_loss < args.stop_at_loss
+    if args.bug == "skip":
+        # BUG skip: the check sits in rank 0's printing block, so rank 0 alone leaves the loop
+        # and rank 1 waits in its next epoch's first all-reduce.
+        return run.is_main and wants_to_stop
+    # Fix: decide on every rank. One all-reduced flag (stop if any rank wants to) makes the
+    # decision the same everywhere, whatever each rank measured.
+    flag = torch.tensor([int(wants_to_stop)], device=run.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=checked)
+    return bool(flag.item())
+
+
+@torch.no_grad()
+def test_losses(model, test_shard, run) -> torch.Tensor:
+    """The loss of every test sample in this rank's shard (11 samples on rank 0, 10 on 1)."""
+    model.eval()
+    images, labels = zip(*[test_shard[i] for i in range(len(test_shard))])
+    logits = model(torch.stack(images).to(run.device))
+    return F.cross_entropy(logits, torch.stack(labels).to(run.device), reduction="none")
+
+
+def all_test_losses(losses, run, checked, args) -> torch.Tensor:
+    """Every rank's per-sample test losses, on every rank (to print their median)."""
+    if args.bug == "shape":
+        # BUG shape: all-reduce the rank's own vector; its length depends on the rank's data.
+        dist.all_reduce(losses, group=checked)
+        return losses
+    # Fix: reduce the counts first, then reduce tensors of one shape: each rank writes its
+    # losses into its own slots of a zero vector as long as all of them together.
+    counts = torch.zeros(run.world_size, dtype=torch.long, device=run.device)
+    counts[run.rank] = len(losses)
+    dist.all_reduce(counts, group=checked)
+    everyone = torch.zeros(int(counts.sum()), device=run.device)
+    start = int(counts[:run.rank].sum())
+    everyone[start:start + len(losses)] = losses
+    dist.all_reduce(everyone, group=checked)  # each slot written by one rank: the sum gathers
+    return everyone
+
+
+def rank_state(run, progress, err=None) -> dict:
+    """What this rank tells the others: its steps, its Flight Recorder record, its line."""
+    record = debug.flight_record()
+    message = str(err) if err is not None else ""
+    return {"rank": run.rank, "pid": os.getpid(), "host": run.hostname,
+            "steps": progress["steps"], "record": record,
+            "last": debug.last_collectives(record), "pending": debug.pending_collective(record),
+            "where": (debug.where(traceback.extract_tb(err.__traceback__), __file__)
+                      if err is not None else debug.main_thread_line(__file__)),
+            "error": message.strip().splitlines()[0] if message.strip() else None,
+            "detail": debug.detail_fingerprint(message), "absent": debug.absent_ranks(message)}
+
+
+def describe(c) -> str:
+    """'#5 all_reduce of [51] Float' for a collective from the Flight Recorder or DETAIL."""
+    shapes = ", ".join(str(list(s)) for s in c["shapes"]) or "no tensor"
+    return f"#{c['seq']} {c['op']} of {shapes} {'/'.join(d for d in c['dtypes'] if d)}".rstrip()
+
+
+def pending(state):
+    """The collective a rank was in when it failed: its own DETAIL fingerprint, else the
+    Flight Recorder's entry that never completed; None if it was in none."""
+    return state["detail"] or state["pending"]
+
+
+def who_is_behind(states: dict):
+    """(ranks behind, a rank ahead), or None when no rank is behind. Behind means fewer
+    training steps; at equal steps, absent from a collective (DETAIL's monitored barrier names
+    it), or fewer collectives on DDP's group (the Flight Recorder's counts)."""
+    steps = {r: s["steps"] for r, s in states.items()}
+    absent = {r for s in states.values() for r in s["absent"]}
+    seen = {r: s["last"].get("DDP's group", {"seq": 0})["seq"] for r, s in states.items()}
+    for counts in (steps, None, seen):
+        if counts is None and absent:
+            return sorted(absent), min(set(states) - absent)
+        if counts is not None and len(set(counts.values())) > 1:
+            return ([r for r in counts if counts[r] == min(counts.values())],
+                    max(counts, key=counts.get))
+    return None
+
+
+def missed_collective(states: dict, behind: int, ahead: int) -> str:
+    """The collective the rank ahead waits in: its own record of it, else (when gloo did
+    not mark it pending) the ones on DDP's group that only the rank ahead holds."""
+    missed = pending(states[ahead])
+    newest = states[ahead]["last"].get("DDP's group")
+    first = states[behind]["last"].get("DDP's group", {"seq": 0})["seq"] + 1
+    if missed is None and newest and newest["seq"] >= first:
+        numbers = f"#{first}" if first == newest["seq"] else f"#{first}-{newest['seq']}"
+        return f"{numbers} {describe(newest).split(' ', 1)[1]} on DDP's group"
+    return describe(missed) if missed else "(none recorded)"
+
+
+def diagnose(states: dict, world_size: int) -> str:
+    """One line: the rank that is behind and the collective it missed, or the shapes that
+    differ, or (failing both) where each rank is."""
+    gone = [r for r in range(world_size) if r not in states]
+    if gone:
+        return (f"rank {', '.join(map(str, gone))} died without a word (gloo aborts a process "
+                f"whose collective received more data than it expected): see its output above")
+    found = who_is_behind(states)
+    if found:
+        behind, ahead = found
+        steps = (f" ({states[behind[0]]['steps']} training steps, rank {ahead} took "
+                 f"{states[ahead]['steps']})" if states[behind[0]]["steps"] !=
+                 states[ahead]["steps"] else "")
+        return (f"rank {', '.join(map(str, behind))} is behind{steps}: it missed collective "
+                f"{missed_collective(states, behind[0], ahead)}, which rank {ahead} waits in "
+                f"at {states[ahead]['where']}; rank {behind[0]} is at "
+                f"{states[behind[0]]['where']}")
+    ops = {r: pending(s) for r, s in states.items()}
+    if all(ops.values()) and len({o["op"] for o in ops.values()}) == 1:
+        return (f"collective #{ops[0]['seq']} ({ops[0]['op']}) got tensors of different "
+                f"shapes: " + "; ".join(f"rank {r} {describe(o).split(' of ')[1]} at "
+                                        f"{states[r]['where']}" for r, o in ops.items()))
+    return "ranks disagree: " + "; ".join(f"rank {r} in {describe(o) if o else 'no collective'}"
+                                          f" at {states[r]['where']}" for r, o in ops.items())
+
+
+def report_failure(err, run, args, progress, watcher) -> None:
+    """A collective raised: say what each tool found, then one diagnosis line; never returns
+    (a gloo group whose collective failed cannot be destroyed cleanly: leave at once)."""
+    watcher.stop(publish_last_state=False)
+    state = rank_state(run, progress, err)
+    # Which tool spoke: DETAIL's checks (on `checked`), or gloo itself (DDP's group).
+    from_detail = state["detail"] or state["absent"] or "monitoredBarrier" in (state["error"] or "")
+    tool = "TORCH_DISTRIBUTED_DEBUG=DETAIL" if from_detail else "gloo"
+    print(f"[{tool}] rank {run.rank}: {debug.short(state['error'])}", flush=True)
+    debug.publish(run.rank, state)
+    debug.store().set(debug.REQUEST, "1")  # the other ranks' watchers publish theirs now
+    if not debug.elect_reporter():  # the first rank to fail reports for everyone
+        debug.wait_for_report(seconds=10)
+        os._exit(EXIT_HANG)
+    states = debug.collect(run.world_size, wait_seconds=5)
+    for rank, s in sorted(states.items()):
+        groups = "; ".join(f"{name} {describe(c)}{'' if c['done'] else ' NOT completed'}"
+                           for name, c in s["last"].items())
+        print(f"[Flight Recorder] rank {rank} ({s['steps']} steps, at {s['where']}): last "
+              f"collectives: {groups or 'none'}", flush=True)
+    folder = args.out_dir / "flight_recorder"
+    debug.write_fr_dumps(folder, {r: s["record"] for r, s in states.items()})
+    print(f"[Flight Recorder] records written: python -m "
+          f"torch.distributed.flight_recorder.fr_trace {folder}", flush=True)
+    for rank, s in sorted(states.items()):
+        if s["host"] == run.hostname and s["error"] is None:  # still stuck, on this machine
+            print(f"[py-spy] rank {rank} (pid {s['pid']}): {debug.py_spy(s['pid'], __file__)}",
+                  flush=True)
+    print(f"diagnosis: {diagnose(states, run.world_size)}", flush=True)
+    debug.store().set(debug.REPORTED, "1")
+    os._exit(EXIT_HANG)
+
+
+def main():
+    parser = flags.parser(__doc__, __file__)
+    choice = parser.add_mutually_exclusive_group(required=True)
+    choice.add_argument("--bug", choices=["skip", "shape", "uneven"],
+                        help="plant one bug (the others stay fixed)")
+    choice.add_argument("--fix", action="store_true", help="run the corrected code")
+    parser.add_argument("--stop-at-loss", type=flags.positive_float("--stop-at-loss"),
+                        default=10.0, metavar="LOSS", help="stop early once the mean training "
+                        "loss is below LOSS (default 10: after the first epoch)")
+    # Small and quick: each bug shows within seconds (a CPU laptop, 2 processes).
+    parser.set_defaults(timeout=10, data="synthetic", train_samples=65, test_samples=21,
+                        batch_size=16, epochs=2, quiet=True)
+    args = parser.parse_args()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.bug and world_size != 2:  # checked before any work starts
+        raise common.UserError(f"the planted bugs are sized for 2 processes, not {world_size}: "
+                               f"torchrun --standalone --nproc-per-node 2 10_debugging.py "
+                               f"--bug {args.bug}")
+    turn_on_tools()
+    run, checked = setup(args)
+    train_set, test_set = data.load_datasets(args, run, download=run.is_main)
+    plan = common.plan_batches(args.batch_size, run.world_size, None, len(train_set))
+    common.log(run, f"10_debugging.py: world_size={run.world_size} "
+                    f"{'bug=' + args.bug if args.bug else 'fixed'} timeout={args.timeout:g}s "
+                    f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']} "
+                    f"TORCH_FR_BUFFER_SIZE={os.environ['TORCH_FR_BUFFER_SIZE']}")
+    shard, sampler = training_shard(train_set, run, args)
+    loader = data.make_loader(shard, plan.per_rank, run, args, sampler=sampler)
+    test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
+    raw_model = build_model(args, seed=args.seed).to(run.device)
+    model = DDP(raw_model, device_ids=[run.device] if run.device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    progress = {"steps": 0}
+    watcher = debug.Watcher(run.rank, lambda: rank_state(run, progress), __file__,
+                            notice_after=args.timeout / 2)
+    watcher.start()
+    try:
+        for epoch in range(args.epochs):
+            common.seed_everything(args.seed, epoch, run.rank)
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            mean_loss = train_one_epoch(model, loader, optimizer, run, checked, progress)
+            common.log(run, f"epoch {epoch + 1}: mean training loss {mean_loss:.4f}")
+            if should_stop(mean_loss, run, checked, args):
+                common.log(run, f"stopping early: loss below {args.stop_at_loss:g}")
+                break
+        everyone = all_test_losses(test_losses(raw_model, test_shard, run), run, checked, args)
+        common.log(run, f"median test loss over {len(everyone)} samples: "
+                        f"{everyone.median().item():.4f}")
+    except RuntimeError as err:  # gloo raised: DETAIL's check, a timeout or a closed peer
+        report_failure(err, run, args, progress, watcher)
+    watcher.stop()  # leaves this rank's last state for a rank that may still fail
+    del model
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    common.run_main(main)
