@@ -47,6 +47,8 @@ STEPS = [
      "diff -u 05_multinode.py 07_fault_tolerance.py", ["--no-compile", "--checkpoint-every", "5"]),
     ("08_fsdp2.py", True, "FSDP2: shard weights, checkpoint with DCP",
      "diff -u 07_fault_tolerance.py 08_fsdp2.py", []),
+    ("10_debugging.py", True, "side trip: planted hangs and the tools that find them",
+     "read 10_debugging.py whole; then --bug skip", ["--fix"]),
 ]
 
 
