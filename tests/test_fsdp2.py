@@ -5,6 +5,9 @@ Every run is 2 epochs of 20 steps (conftest.RESTART_ARGS), or the first of them;
 a run are read back from its final DCP checkpoint, in this process, without a process group.
 """
 
+import os
+import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -12,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, base_env,
                       read_summary, run_step)
 from plumbing import step08_dcp_checkpoint as dcp_checkpoint
+from plumbing.errors import UserError
 from plumbing.model import Net
 
 STEP = "08_fsdp2.py"
@@ -114,21 +119,66 @@ def test_the_exported_checkpoint_loads_plainly_and_evaluates_the_same(runs, mnis
             == read_summary(out)["test_correct"])
 
 
-def test_a_checkpoint_that_is_incomplete_or_of_another_model_is_one_line(runs, tmp_path):
+class Payload:
+    """What an attacker would put in a checkpoint: unpickling it runs a command (it creates
+    `marker`)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def with_malicious_metadata(checkpoint: Path, folder: Path, marker: Path) -> Path:
+    """A copy of a real checkpoint whose .metadata was replaced by a payload (the protocol DCP
+    writes, so it is FRAMEd as a real one)."""
+    shutil.copytree(checkpoint.resolve(), folder)
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker), protocol=4))
+    return folder
+
+
+def test_a_checkpoint_that_is_incomplete_of_another_model_or_malicious_is_one_line(runs,
+                                                                                   tmp_path):
     unfinished = tmp_path / "checkpoint-epoch1-step4"  # what a killed save leaves: no .metadata
     unfinished.mkdir()
     (unfinished / "__0_0.distcp").write_bytes(b"half")
-    for resume, extra, expected in [
-            (unfinished, [], "is not a complete DCP checkpoint"),
-            (runs["straight"]["out"] / "checkpoint", ["--width", "2"],
-             "does not fit this model (ValueError: Size mismatch")]:
-        proc = run_step(STEP, ["--data", "synthetic", "--train-samples", 96, "--batch-size", 48,
-                               "--resume", resume, *extra, "--out-dir", tmp_path / "out"],
-                        check=False)
+    marker = tmp_path / "code-ran"
+    malicious = with_malicious_metadata(runs["straight"]["out"] / "checkpoint",
+                                        tmp_path / "malicious", marker)
+    for command, resume, extra, expected in [
+            ("train", unfinished, [], "is not a complete DCP checkpoint"),
+            ("train", runs["straight"]["out"] / "checkpoint", ["--width", "2"],
+             "does not fit this model (ValueError: Size mismatch"),
+            ("train", malicious, [], "is not a DCP checkpoint's metadata; not loading it "
+                                     "(UnpicklingError: posix.system is not allowed"),
+            ("export", malicious, [], "is not a DCP checkpoint's metadata")]:
+        proc = run_step(STEP, [command, "--data", "synthetic", "--train-samples", 96,
+                               "--batch-size", 48, "--resume", resume, *extra,
+                               "--out-dir", tmp_path / "out"], check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
         errors = proc.stderr.strip().splitlines()
         assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
         assert_no_traceback(proc)
+    assert not marker.exists()  # the payload never ran
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no process group here
+def test_a_saved_value_or_random_state_that_would_run_code_is_refused(tmp_path):
+    """DCP stores a value that is not a tensor (the epoch, the scheduler) as a pickle, which
+    torch 2.14's planner loads with weights_only=False; the RNG files are pickles too."""
+    marker = tmp_path / "code-ran"
+    dcp.save({"extra": {"epoch": Payload(marker)}}, checkpoint_id=tmp_path)
+    with pytest.raises(UserError, match="holds something other than data; not loading it "
+                                        r"\(UnpicklingError"):
+        dcp_checkpoint.load({"extra": {"epoch": 0}}, dcp_checkpoint.complete_folder(tmp_path))
+    torch.save(Payload(marker), tmp_path / "rng-rank0.pt")
+    with pytest.raises(UserError, match="is not a random state; not loading it"):
+        dcp_checkpoint.rng_state(tmp_path, type("Run", (), {"world_size": 1, "rank": 0}))
+    assert not marker.exists()
+    # ...and the payload is real: plain DCP would have run it.
+    dcp.load({"extra": {"epoch": 0}}, checkpoint_id=tmp_path)
+    assert marker.exists()
 
 
 def test_hybrid_sharding_on_two_agents_shards_within_each_node(mnist_root, tmp_path):
@@ -153,3 +203,4 @@ def test_hybrid_sharding_on_two_agents_shards_within_each_node(mnist_root, tmp_p
     assert summary["params_per_rank"] == [1_199_882 // 2] * 4  # sharded over 2, not 4
     assert "mixed_precision=bf16/fp32" in "".join(outputs)
     assert summary["test_accuracy"] > 0.3  # it learns (chance: 0.1)
+
