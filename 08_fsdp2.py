@@ -93,10 +93,15 @@ def train_one_epoch(model, loader, optimizer, run, plan, progress, position, rng
     return (totals[0] / totals[1]).item()
 
 
-def evaluate(model, loader, run):
+def evaluate(model, loader, run, forwards):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
-    correct answers, samples), then the sums are added up over all ranks."""
+    correct answers, samples), then the sums are added up over all ranks. Every forward
+    gathers weights from all ranks (a collective), so every rank runs `forwards` of them: one
+    whose shard is short (fewer test samples than ranks) adds blank ones that count nothing."""
     sums = metrics.test_sums(model, loader, run)
+    with torch.no_grad(), run.autocast():
+        for _ in range(forwards - len(loader)):
+            model(torch.zeros(1, 1, 28, 28, device=run.device))  # a blank digit
     dist.all_reduce(sums)
     return metrics.test_results(sums)
 
@@ -183,12 +188,10 @@ def main():
                                     worker_init_fn=fault_tolerance.ignore_sigterm,
                                     drop_last=True)  # as in 07: equal steps on every rank
     # Evaluation must count every test sample exactly once, so no sampler padding here:
-    # a strided shard per rank. Every forward gathers weights from all ranks (a collective),
-    # so every rank runs as many test batches: the batch size splits the largest shard evenly.
+    # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    largest = math.ceil(len(test_set) / run.world_size)
-    test_loader = data.make_loader(test_shard, math.ceil(largest / math.ceil(largest / 1000)),
-                                   run, args)
+    test_loader = data.make_loader(test_shard, 1000, run, args)
+    test_forwards = math.ceil(math.ceil(len(test_set) / run.world_size) / 1000)  # the most
 
     # The same weights on every rank (FSDP2 broadcasts nothing), then each keeps its shards.
     model = shard(build_model(args, seed=args.seed).to(run.device), run, args)
@@ -269,12 +272,12 @@ def main():
             samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            test = evaluate(model, test_loader, run)
+            test = evaluate(model, test_loader, run, test_forwards)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             save(epoch + 1)
     saving.finish()  # the last save, complete before the run ends
     if test is None:  # resumed a finished run: evaluate only
-        test = evaluate(model, test_loader, run)
+        test = evaluate(model, test_loader, run, test_forwards)
     optimizer_state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     results.summary(__file__, args, plan, test, progress, nodes=nodes,
                     params_per_rank=params_per_rank, params_total=params_total,

@@ -204,3 +204,12 @@ def test_hybrid_sharding_on_two_agents_shards_within_each_node(mnist_root, tmp_p
     assert "mixed_precision=bf16/fp32" in "".join(outputs)
     assert summary["test_accuracy"] > 0.3  # it learns (chance: 0.1)
 
+
+def test_fewer_test_samples_than_ranks_evaluates_without_a_hang(tmp_path):
+    """Rank 2 of 3 has no test sample, yet every forward is a collective (an all-gather): it
+    runs a blank one that counts nothing, so the others are not left waiting."""
+    run_step(STEP, ["--data", "synthetic", "--train-samples", 96, "--test-samples", 2,
+                    "--batch-size", 48, "--epochs", 1, "--checkpoint-every", 0,
+                    "--out-dir", tmp_path], nproc=3, timeout=120)
+    summary = read_summary(tmp_path)
+    assert (summary["world_size"], summary["test_samples"]) == (3, 2)
