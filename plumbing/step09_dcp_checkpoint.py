@@ -1,7 +1,7 @@
-"""Distributed checkpoints (DCP) for step 08: written in the background, committed atomically,
-loaded at any world size, exported as one plain file.
+"""The mechanics of step 09's distributed checkpoints (DCP) that no step teaches: a folder's
+atomic commit, every rank's random state, reading without running code, export to one file.
 
-Step 08 first needs it. A checkpoint is a folder, <out-dir>/checkpoint-epoch<E>-step<S>, with
+Step 09 first needs it (09 calls dcp.async_save and dcp.load itself). A checkpoint is a folder, <out-dir>/checkpoint-epoch<E>-step<S>, with
 DCP's files (every rank writes its own shards; `.metadata`, written last, makes it complete)
 and each rank's random state (rng-rank<R>.pt). <out-dir>/checkpoint is a link to the newest
 complete one: switching a link is one atomic rename, so a kill during a save leaves the link on
@@ -16,6 +16,7 @@ goes through SafeReader and SafePlanner, which accept plain data and DCP's own c
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import pathlib
 import pickle
@@ -98,7 +99,7 @@ def complete_folder(path: Path) -> Path:
     folder = Path(path).resolve()
     if not (folder / ".metadata").is_file():
         raise UserError(f"{path} is not a complete DCP checkpoint: no .metadata in {folder} (a "
-                        f"save that did not finish, or not a checkpoint of step 08)")
+                        f"save that did not finish, or not a checkpoint of step 09)")
     try:
         SafeReader(folder).read_metadata()
     except Exception as err:  # noqa: BLE001 -- pickle errors, truncated file, ...
@@ -115,18 +116,25 @@ def root_cause(err: CheckpointException) -> str:
     return f"{type(cause).__name__}: {str(cause).splitlines()[0][:160]}" if cause else str(err)
 
 
-def load(state: dict, folder: Path) -> None:
-    """dcp.load into `state` (in place), reading nothing that could run code, with a failure as
-    one line. (CheckpointException is a BaseException: `except Exception` would let it through
-    as a traceback.)"""
+@contextlib.contextmanager
+def one_line_errors(folder: Path):
+    """Around dcp.load: a checkpoint that does not fit, or holds what is not data, is one line.
+    (CheckpointException is a BaseException: `except Exception` would let it through as a
+    traceback.)"""
     try:
-        dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner())
+        yield
     except CheckpointException as err:
         cause = root_cause(err)
         if cause.startswith("UnpicklingError"):
             raise UserError(f"checkpoint {folder} holds something other than data; not loading "
                             f"it ({cause})") from None
         raise UserError(f"checkpoint {folder} does not fit this model ({cause})") from None
+
+
+def load(state: dict, folder: Path) -> None:
+    """dcp.load into `state` (in place), as step 09 calls it."""
+    with one_line_errors(folder):
+        dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner())
 
 
 def rng_state(folder: Path, run) -> dict | None:
@@ -145,18 +153,15 @@ def rng_state(folder: Path, run) -> dict | None:
                         f"{str(err).splitlines()[0][:120]})") from None
 
 
-class Saver:
-    """Writes one checkpoint at a time with dcp.async_save: the call blocks only while the state
-    is copied to host memory, the writing overlaps the next training steps, and finish() waits
-    for it, then commits it (every rank, then rank 0 switches the link)."""
+class Commits:
+    """One checkpoint at a time: new_folder() waits for the previous save and commits it, then
+    prepares the next folder; started() takes the save's future (dcp.async_save's), finish()
+    waits for it and commits it (every rank's shards written, then rank 0 switches the link)."""
 
     def __init__(self, out_dir: Path, run):
-        self.out_dir, self.run, self.pending = out_dir, run, None
-        # async_save communicates from a background thread: on the training group its messages
-        # would interleave with FSDP's all-gathers (gloo aborted, 3 runs of 3). A group of its own.
-        self.group = dist.new_group(backend="gloo")
+        self.out_dir, self.run, self.pending, self.started_at = out_dir, run, None, 0.0
 
-    def start(self, state: dict, name: str, rng: dict) -> None:
+    def new_folder(self, name: str, rng: dict) -> Path:
         self.finish()
         folder = self.out_dir / f"checkpoint-{name}"
         if self.run.is_main and folder.exists():  # what a killed save left behind
@@ -164,9 +169,12 @@ class Saver:
         dist.barrier()
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(rng, folder / f"rng-rank{self.run.rank}.pt")
-        started = time.perf_counter()
-        future = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
-        self.pending = (future, folder, time.perf_counter() - started, started)
+        self.folder, self.started_at = folder, time.perf_counter()
+        return folder
+
+    def started(self, future) -> None:
+        self.pending = (future, self.folder, time.perf_counter() - self.started_at,
+                        self.started_at)
 
     def finish(self) -> None:
         if self.pending is None:
@@ -193,7 +201,7 @@ class Saver:
 
 
 def export(path: Path | None, out: Path, args) -> None:
-    """`08_fsdp2.py export --resume PATH`: the checkpoint as one plain checkpoint.pt that a plain
+    """`09_distributed_checkpoint.py export --resume PATH`: the checkpoint as one plain checkpoint.pt that a plain
     Net loads with weights_only=True, and `00_single_gpu.py --resume` evaluates. One process."""
     if path is None:
         raise UserError("export needs --resume PATH: the checkpoint to export")
