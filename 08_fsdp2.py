@@ -5,9 +5,10 @@ rank; `fully_shard` (FSDP2) keeps 1/N of each: before a layer computes, its weig
 from all ranks (all-gather), and after backward its gradients are summed and split (reduce-
 scatter). Memory per rank falls with N; a step communicates about 1.5x what DDP does. The model
 is built on the `meta` device (shapes, no memory), sharded, and only then given memory: each
-rank allocates its shards and rank 0's one full copy is broadcast into them, so no rank but
-rank 0 ever holds the whole model. Not sharded: activations, one layer while it is gathered,
-and full-size gradients while set_requires_gradient_sync(False) accumulates micro-batches.
+rank allocates its shards and rank 0's one full copy is broadcast into them a tensor at a time,
+so only rank 0 ever holds the whole model. Not sharded: activations, one layer while it is
+gathered (or broadcast), and full-size gradients while set_requires_gradient_sync(False)
+accumulates micro-batches. (Here fc1 is 94% of the model: see the README's measurement.)
 Checkpoints are 07's: one file, written by rank 0 from the whole state gathered to its CPU.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
@@ -195,7 +196,7 @@ def main():
 
     # On the meta device a model has shapes and no memory. shard() splits each parameter over
     # the ranks, to_empty() allocates this rank's shards (uninitialised), and rank 0's full
-    # copy is broadcast into them, one tensor at a time: the others never hold the whole model.
+    # copy is broadcast into them, one whole tensor at a time: only rank 0 holds the whole model.
     with torch.device("meta"):
         model = build_model(args, seed=args.seed)
     shard(model, run, args).to_empty(device=run.device)

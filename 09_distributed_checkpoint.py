@@ -197,7 +197,7 @@ def main():
 
     # On the meta device a model has shapes and no memory. shard() splits each parameter over
     # the ranks, to_empty() allocates this rank's shards (uninitialised), and rank 0's full
-    # copy is broadcast into them, one tensor at a time: the others never hold the whole model.
+    # copy is broadcast into them, one whole tensor at a time: only rank 0 holds the whole model.
     with torch.device("meta"):
         model = build_model(args, seed=args.seed)
     shard(model, run, args).to_empty(device=run.device)

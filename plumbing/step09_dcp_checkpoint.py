@@ -1,11 +1,11 @@
 """The mechanics of step 09's distributed checkpoints (DCP) that no step teaches: a folder's
 atomic commit, every rank's random state, reading without running code, export to one file.
 
-Step 09 first needs it (09 calls dcp.async_save and dcp.load itself). A checkpoint is a folder, <out-dir>/checkpoint-epoch<E>-step<S>, with
-DCP's files (every rank writes its own shards; `.metadata`, written last, makes it complete)
-and each rank's random state (rng-rank<R>.pt). <out-dir>/checkpoint is a link to the newest
-complete one: switching a link is one atomic rename, so a kill during a save leaves the link on
-the previous checkpoint.
+Step 09 first needs it (09 calls dcp.async_save and dcp.load itself). A checkpoint is a folder,
+<out-dir>/checkpoint-epoch<E>-step<S>, with DCP's files (every rank writes its own shards;
+`.metadata`, written last, makes it complete) and each rank's random state (rng-rank<R>.pt).
+<out-dir>/checkpoint is a link to the newest complete one: switching a link is one atomic
+rename, so a kill during a save leaves the link on the previous checkpoint.
 
 Nothing read from a checkpoint can run code. torch 2.14's DCP reads `.metadata` with plain
 `pickle.load`, and the non-tensor values of a state dict (epoch, scheduler, ...) with
@@ -159,7 +159,8 @@ class Commits:
     waits for it and commits it (every rank's shards written, then rank 0 switches the link)."""
 
     def __init__(self, out_dir: Path, run):
-        self.out_dir, self.run, self.pending, self.started_at = out_dir, run, None, 0.0
+        self.out_dir, self.run, self.pending = out_dir, run, None
+        self.folder, self.started_at = None, 0.0
 
     def new_folder(self, name: str, rng: dict) -> Path:
         self.finish()
@@ -201,8 +202,9 @@ class Commits:
 
 
 def export(path: Path | None, out: Path, args) -> None:
-    """`09_distributed_checkpoint.py export --resume PATH`: the checkpoint as one plain checkpoint.pt that a plain
-    Net loads with weights_only=True, and `00_single_gpu.py --resume` evaluates. One process."""
+    """`09_distributed_checkpoint.py export --resume PATH`: the checkpoint as one plain
+    checkpoint.pt that a plain Net loads with weights_only=True, and `00_single_gpu.py --resume`
+    evaluates. One process."""
     if path is None:
         raise UserError("export needs --resume PATH: the checkpoint to export")
     folder = complete_folder(path)
