@@ -118,6 +118,24 @@ def configs(opts) -> list[Config]:
             Config("fsdp2", "08 (FSDP2)", "08_fsdp2.py",
                    [*data, "--batch-size", 2 * per_rank, "--checkpoint-every", "0",
                     "--width", "8"], nproc=2, env=one_thread),
+            Config("fsdp2", "08 (FSDP2, --no-reshard-after-forward)", "08_fsdp2.py",
+                   [*data, "--batch-size", 2 * per_rank, "--checkpoint-every", "0",
+                    "--width", "8", "--no-reshard-after-forward"], nproc=2, env=one_thread),
+        ],
+        "dcp": [  # checkpoints of a sharded model: gathered to rank 0's one file, or DCP's
+            Config("dcp", f"08, one file every {opts.checkpoint_every} steps", "08_fsdp2.py",
+                   [*data, "--batch-size", 2 * per_rank, "--width", "8",
+                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
+            Config("dcp", f"09, DCP in the background every {opts.checkpoint_every} steps",
+                   "09_distributed_checkpoint.py",
+                   [*data, "--batch-size", 2 * per_rank, "--width", "8",
+                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
+        ],
+        "memory": [  # peak memory per rank (MiB, the largest rank's) of a 64x wider model
+            *(Config("memory", f"08 --width 64, {n} rank{'s' * (n > 1)}", "08_fsdp2.py",
+                     [*data, "--train-samples", str(96 * n), "--batch-size", str(16 * n),
+                      "--width", "64", "--checkpoint-every", "0"], nproc=n,
+                     metric="peak_memory_mib", env=one_thread) for n in (1, 2, 3)),
         ],
         "allreduce": [
             Config("allreduce", "01 --bench, 2 ranks, largest message", "01_torch_dist_allreduce.py",
@@ -161,9 +179,16 @@ def run_once(config: Config, out_dir: Path) -> float:
     if config.metric == "wall":
         return wall
     summary = json.loads((out_dir / "summary.json").read_text())
-    for key in ("first_step_seconds", "train_seconds", "params_per_rank", "params_total"):
+    for key in ("first_step_seconds", "train_seconds", "params_per_rank", "params_total",
+                "memory_after_build_mib", "peak_memory_mib"):
         config.extras.setdefault(key, []).append(summary.get(key))
-    return summary[config.metric]
+    # 09's "checkpoint NAME: B s blocking training, then W s in the background", per save
+    for blocking, background in re.findall(r"([\d.]+) s blocking training, then ([\d.]+) s",
+                                           proc.stdout):
+        config.extras.setdefault("blocking", []).append(float(blocking))
+        config.extras.setdefault("background", []).append(float(background))
+    value = summary[config.metric]
+    return max(value) if isinstance(value, list) else value  # per rank: the largest
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -215,13 +240,24 @@ def report(chosen: list[Config], opts) -> str:
             if row == "scaling" and i == 1:
                 efficiency = med / (2 * spread(group[0].values)[0])
                 comparison = f"scaling efficiency {efficiency:.2f} (samples/s(2) / 2 x samples/s(1))"
-            unit = {"busbw": "GB/s bus bandwidth", "wall": "s per run"}.get(config.metric,
-                                                                          "samples/s")
+            unit = {"busbw": "GB/s bus bandwidth", "wall": "s per run",
+                    "peak_memory_mib": "peak MiB per rank"}.get(config.metric, "samples/s")
             if row == "fsdp2" and i == 1:  # tensor bytes: weights + gradients + momentum
                 held = config.extras["params_per_rank"][0][0]
                 total = config.extras["params_total"][0]
                 comparison += (f"; per rank {3 * 4 * held / 2**20:.1f} MiB of weights, gradients "
                                f"and momentum vs {3 * 4 * total / 2**20:.1f} MiB under DDP")
+            if row == "dcp" and "blocking" in config.extras:
+                comparison += (f"; a save blocks training "
+                               f"{statistics.median(config.extras['blocking']):.2f} s, then "
+                               f"writes {statistics.median(config.extras['background']):.2f} s "
+                               f"in the background (medians over every save)")
+            if row == "memory":  # tensor bytes: weights + gradients + momentum, and the peaks
+                held = config.extras["params_per_rank"][0]
+                built = [round(m) for m in config.extras["memory_after_build_mib"][-1]]
+                peak = [round(m) for m in config.extras["peak_memory_mib"][-1]]
+                comparison = (f"weights+gradients+momentum {3 * 4 * held[0] / 2**20:.0f} MiB per "
+                              f"rank; process peak per rank once built {built}, at most {peak}")
             if row == "restart" and i == 1:
                 lost = med - spread(group[0].values)[0]
                 comparison = f"{lost:.1f} s lost to the kill (restart + redone steps)"
@@ -234,7 +270,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="scaling,overhead,wrapper,compile,streaming,"
-                                          "checkpoints,restart,fsdp2,allreduce")
+                                          "checkpoints,restart,fsdp2,dcp,memory,allreduce")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--per-rank-batch", type=int, default=64)
