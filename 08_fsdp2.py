@@ -1,27 +1,23 @@
 """Step 08: shard instead of replicate. FSDP2, for a model too large for one device.
 
 Built on step 07. DDP keeps the whole model, its gradients and its optimizer state on every
-rank; `fully_shard` (FSDP2) keeps 1/N of each: before a layer computes, its weights are gathered
-from all ranks (all-gather), and after backward its gradients are summed and split (reduce-
-scatter). Memory per rank falls with N; a step communicates about 1.5x what DDP does. The model
-is built on the `meta` device (shapes, no memory), sharded, and only then given memory: each
-rank allocates its shards and rank 0's one full copy is broadcast into them a tensor at a time,
-so only rank 0 ever holds the whole model. Not sharded: activations, one layer while it is
-gathered (or broadcast), and full-size gradients while set_requires_gradient_sync(False)
-accumulates micro-batches. (Here fc1 is 94% of the model: see the README's measurement.)
-Checkpoints are 07's: one file, written by rank 0 from the whole state gathered to its CPU.
+rank; `fully_shard` (FSDP2) keeps 1/N of each, gathers a layer's weights before it computes
+(all-gather) and sums and splits its gradients after backward (reduce-scatter). The model is
+built on the `meta` device (no memory), sharded, and filled from rank 0's one copy a tensor at
+a time. Not sharded: activations, a layer while gathered, gradients while they accumulate.
+Checkpoints are 07's: one file, gathered to rank 0's CPU (any world size resumes from it).
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
-    torchrun --standalone --nproc-per-node 2 08_fsdp2.py
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
         --max-restarts 3 08_fsdp2.py --checkpoint-every 100
     sbatch slurm/multinode.sh 08_fsdp2.py --hsdp  # shard within each node, replicate across
 
-Look for: "each rank holds 599,941 of the 1,199,882 parameters", and in summary.json
-"peak_memory_mib": per rank, how much memory it ever held (try --width 64).
+Look for: "each rank holds 599,941 of the 1,199,882 parameters", and in summary.json each
+rank's "peak_memory_mib" (try --width 64; fc1 is 94% of this model: see the README).
 
-Read also: plumbing/step08_fsdp2.py (restore into shards, numbered optimizer state, peak
-memory), plumbing/step07_fault_tolerance.py, plumbing/checkpoint.py (save: atomic; restore).
+Read also: plumbing/step08_fsdp2.py (restore into shards, what each rank holds),
+plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
+ignore_sigterm, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
 """
 
 import argparse
@@ -99,9 +95,8 @@ def train_one_epoch(model, loader, optimizer, run, plan, progress, position, rng
 
 def evaluate(model, loader, run, forwards):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
-    correct answers, samples), then the sums are added up over all ranks. Every forward
-    gathers weights from all ranks (a collective), so every rank runs `forwards` of them: one
-    whose shard is short (fewer test samples than ranks) adds blank ones that count nothing."""
+    correct answers, samples), then the sums are added up over all ranks. Every forward is a
+    collective (an all-gather): a rank with fewer test batches runs blank ones, counting none."""
     sums = metrics.test_sums(model, loader, run)
     with torch.no_grad(), run.autocast():
         for _ in range(forwards - len(loader)):
@@ -144,13 +139,6 @@ def shard(model, run, args):
     return model
 
 
-def held_per_rank(tensors, run) -> list[int]:
-    """How many elements of `tensors` (DTensors) each rank holds: its shards' sizes."""
-    counts = [None] * run.world_size
-    dist.all_gather_object(counts, sum(t.to_local().numel() for t in tensors))
-    return counts
-
-
 def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction,
@@ -175,7 +163,7 @@ def main():
     train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
                                len(train_set))
-    if args.mixed_precision is None:  # (emulated bf16 is slower than fp32: not by default)
+    if args.mixed_precision is None:  # on GPUs with bf16 (not emulated: slower than fp32)
         args.mixed_precision = (run.device.type == "cuda"
                                 and torch.cuda.is_bf16_supported(including_emulation=False))
     common.announce(run, args, plan, __file__,
@@ -205,11 +193,7 @@ def main():
                                                            broadcast_from_rank0=True))
     memory_after_build = sharded.peak_memory_mib(run)  # (MiB)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # after shard()
-    params_per_rank = held_per_rank(model.parameters(), run)
-    params_total = sum(p.numel() for p in model.parameters())
-    common.log(run, f"FSDP2: each rank holds {params_per_rank[0]:,} of the {params_total:,} "
-                    f"parameters ({100 * params_per_rank[0] / params_total:.1f}%), and as much of "
-                    f"their gradients and optimizer state")
+    common.log(run, sharded.describe_shards(model))  # "each rank holds N of the M ..."
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     latest = args.out_dir / "checkpoint.pt"
     # Any rank restarted: all resume (an agent restarted only because another node failed
@@ -232,8 +216,7 @@ def main():
         dist.all_reduce(sums)  # the epoch's sums so far, over every rank's samples
         rng_states = [None] * run.world_size
         dist.all_gather_object(rng_states, fault_tolerance.rng_state())  # every rank's own
-        # Every rank holds a shard: the whole state is gathered to rank 0's CPU, one tensor at
-        # a time (cpu_offload; the others get {}), and rank 0 writes 07's one file.
+        # The whole state, gathered to rank 0's CPU a tensor at a time (the others get {}).
         model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
         if run.is_main:
@@ -280,11 +263,8 @@ def main():
     if progress.first_step_seconds is not None:
         common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off costs: warm-up, "
                         f"the compile if on), then {progress.samples_per_sec or 0:,.0f} samples/s")
-    optimizer_state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
-    results.summary(__file__, args, plan, test, progress, nodes=nodes,
-                    params_per_rank=params_per_rank, params_total=params_total,
-                    optimizer_state_per_rank=held_per_rank(optimizer_state, run),
-                    **sharded.memory_per_rank(run, memory_after_build))
+    results.summary(__file__, args, plan, test, progress, nodes=nodes,  # + what each rank held
+                    **sharded.held_per_rank(model, optimizer, run, memory_after_build))
     dist.destroy_process_group()
 
 

@@ -96,9 +96,8 @@ def train_one_epoch(model, loader, optimizer, run, plan, progress, position, rng
 
 def evaluate(model, loader, run, forwards):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
-    correct answers, samples), then the sums are added up over all ranks. Every forward
-    gathers weights from all ranks (a collective), so every rank runs `forwards` of them: one
-    whose shard is short (fewer test samples than ranks) adds blank ones that count nothing."""
+    correct answers, samples), then the sums are added up over all ranks. Every forward is a
+    collective (an all-gather): a rank with fewer test batches runs blank ones, counting none."""
     sums = metrics.test_sums(model, loader, run)
     with torch.no_grad(), run.autocast():
         for _ in range(forwards - len(loader)):
@@ -141,13 +140,6 @@ def shard(model, run, args):
     return model
 
 
-def held_per_rank(tensors, run) -> list[int]:
-    """How many elements of `tensors` (DTensors) each rank holds: its shards' sizes."""
-    counts = [None] * run.world_size
-    dist.all_gather_object(counts, sum(t.to_local().numel() for t in tensors))
-    return counts
-
-
 def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("command", nargs="?", choices=["train", "export"], default="train",
@@ -176,7 +168,7 @@ def main():
     train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
                                len(train_set))
-    if args.mixed_precision is None:  # (emulated bf16 is slower than fp32: not by default)
+    if args.mixed_precision is None:  # on GPUs with bf16 (not emulated: slower than fp32)
         args.mixed_precision = (run.device.type == "cuda"
                                 and torch.cuda.is_bf16_supported(including_emulation=False))
     common.announce(run, args, plan, __file__,
@@ -206,11 +198,7 @@ def main():
                                                            broadcast_from_rank0=True))
     memory_after_build = sharded.peak_memory_mib(run)  # (MiB)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # after shard()
-    params_per_rank = held_per_rank(model.parameters(), run)
-    params_total = sum(p.numel() for p in model.parameters())
-    common.log(run, f"FSDP2: each rank holds {params_per_rank[0]:,} of the {params_total:,} "
-                    f"parameters ({100 * params_per_rank[0] / params_total:.1f}%), and as much of "
-                    f"their gradients and optimizer state")
+    common.log(run, sharded.describe_shards(model))  # "each rank holds N of the M ..."
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     latest = args.out_dir / "checkpoint"  # a link to the newest complete checkpoint folder
     # Any rank restarted: all resume (an agent restarted only because another node failed
@@ -301,11 +289,8 @@ def main():
     if progress.first_step_seconds is not None:
         common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off costs: warm-up, "
                         f"the compile if on), then {progress.samples_per_sec or 0:,.0f} samples/s")
-    optimizer_state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
-    results.summary(__file__, args, plan, test, progress, nodes=nodes,
-                    params_per_rank=params_per_rank, params_total=params_total,
-                    optimizer_state_per_rank=held_per_rank(optimizer_state, run),
-                    **sharded.memory_per_rank(run, memory_after_build))
+    results.summary(__file__, args, plan, test, progress, nodes=nodes,  # + what each rank held
+                    **sharded.held_per_rank(model, optimizer, run, memory_after_build))
     dist.destroy_process_group()
 
 

@@ -131,11 +131,15 @@ def configs(opts) -> list[Config]:
                    [*data, "--batch-size", 2 * per_rank, "--width", "8",
                     "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
         ],
-        "memory": [  # peak memory per rank (MiB, the largest rank's) of a 64x wider model
-            *(Config("memory", f"08 --width 64, {n} rank{'s' * (n > 1)}", "08_fsdp2.py",
+        "memory": [  # peak memory per rank (MiB, the largest rank's) of a 64x wider model;
+            # 08's rank 0 also gathers the whole state for its checkpoint at the epoch's end
+            *(Config("memory", f"{step[:2]} --width 64, {n} rank{'s' * (n > 1)}", step,
                      [*data, "--train-samples", str(96 * n), "--batch-size", str(16 * n),
                       "--width", "64", "--checkpoint-every", "0"], nproc=n,
-                     metric="peak_memory_mib", env=one_thread) for n in (1, 2, 3)),
+                     metric="peak_memory_mib", env=one_thread)
+              for step, n in [("08_fsdp2.py", 1), ("08_fsdp2.py", 2), ("08_fsdp2.py", 3),
+                              ("09_distributed_checkpoint.py", 2),
+                              ("09_distributed_checkpoint.py", 3)]),
         ],
         "allreduce": [
             Config("allreduce", "01 --bench, 2 ranks, largest message", "01_torch_dist_allreduce.py",

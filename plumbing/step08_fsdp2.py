@@ -1,5 +1,6 @@
 """What step 08 needs besides sharding itself: its one-file checkpoint restored into shards, the
-optimizer state in the form a plain optimizer saves, and the peak memory of a rank.
+optimizer state in the form a plain optimizer saves, and what each rank holds (its shards, its
+peak memory).
 
 Step 08 first needs it. 08 gathers the whole state to rank 0 and writes it as 07 does
 (plumbing/checkpoint.py); torch's state-dict API names the optimizer's parameters ("fc1.weight")
@@ -63,10 +64,25 @@ def peak_memory_mib(run) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
-def memory_per_rank(run, after_build: float) -> dict:
-    """Every rank's peak memory (MiB) once its model was built, and at most, for summary.json
-    (a collective)."""
-    memory = [None] * run.world_size
-    dist.all_gather_object(memory, (after_build, peak_memory_mib(run)))
-    return {"memory_after_build_mib": [m[0] for m in memory],
-            "peak_memory_mib": [m[1] for m in memory]}
+def describe_shards(model) -> str:
+    """The line 08 prints: how much of the model this rank holds (its shards of every DTensor)."""
+    held = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return (f"FSDP2: each rank holds {held:,} of the {total:,} parameters "
+            f"({100 * held / total:.1f}%), and as much of their gradients and optimizer state")
+
+
+def held_per_rank(model, optimizer, run, memory_after_build: float) -> dict:
+    """For summary.json (a collective): the elements each rank holds of the parameters and of
+    the optimizer state (its shards), and its peak memory (MiB) once its model was built, and
+    at most."""
+    state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    mine = (sum(p.to_local().numel() for p in model.parameters()),
+            sum(t.to_local().numel() for t in state), memory_after_build, peak_memory_mib(run))
+    everyone = [None] * run.world_size
+    dist.all_gather_object(everyone, mine)
+    return {"params_per_rank": [e[0] for e in everyone],
+            "params_total": sum(p.numel() for p in model.parameters()),
+            "optimizer_state_per_rank": [e[1] for e in everyone],
+            "memory_after_build_mib": [e[2] for e in everyone],
+            "peak_memory_mib": [e[3] for e in everyone]}
