@@ -9,9 +9,10 @@ batch; on another world size the per-rank random streams differ. `export` writes
 checkpoint.pt that step 00 loads.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
-    torchrun --standalone --nproc-per-node 2 09_distributed_checkpoint.py
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
+        --max-restarts 3 09_distributed_checkpoint.py --checkpoint-every 100
     python 09_distributed_checkpoint.py --resume runs/09_distributed_checkpoint/checkpoint \\
-        --epochs 3  # any world size
+        --epochs 3  # written by 2 ranks, read by 1
     python 09_distributed_checkpoint.py export --resume runs/09_distributed_checkpoint/checkpoint
 
 Look for: "checkpoint ...: 0.0x s blocking training, then 0.x s in the background".
