@@ -1,23 +1,22 @@
-"""Step 08: shard instead of replicate. FSDP2, and checkpoints that resume on any world size.
+"""Step 08: shard instead of replicate. FSDP2, for a model too large for one device.
 
 Built on step 07. DDP keeps the whole model, its gradients and its optimizer state on every
-rank; `fully_shard` (FSDP2) keeps 1/N of each: before a layer computes, its weights are gathered
-from all ranks (all-gather), and after backward its gradients are summed and split (reduce-
-scatter). Memory per rank falls with N; a step communicates about 1.5x what DDP does. The
-checkpoints are distributed (DCP): every rank writes its own shards, in the background while
-training goes on, and a checkpoint written by N ranks loads on M. `--resume` is exact at the
-same world size and global batch; on another world size the per-rank random streams differ.
+rank; `fully_shard` (FSDP2) keeps 1/N of each, gathers a layer's weights before it computes
+(all-gather) and sums and splits its gradients after backward (reduce-scatter). The model is
+built on the `meta` device (no memory), sharded, and filled from rank 0's one copy a tensor at
+a time. Not sharded: activations, a layer while gathered, gradients while they accumulate.
+Checkpoints are 07's: one file, gathered to rank 0's CPU (any world size resumes from it).
 
-Run it:
-    torchrun --standalone --nproc-per-node 2 08_fsdp2.py
-    python 08_fsdp2.py --resume runs/08_fsdp2/checkpoint --epochs 3  # any world size
-    python 08_fsdp2.py export --resume runs/08_fsdp2/checkpoint  # writes a plain checkpoint.pt
+Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
+        --max-restarts 3 08_fsdp2.py --checkpoint-every 100
     sbatch slurm/multinode.sh 08_fsdp2.py --hsdp  # shard within each node, replicate across
 
-Look for: "each rank holds 599,941 of the 1,199,882 parameters", and "checkpoint ...: 0.0x s
-blocking training, then 0.x s in the background".
+Look for: "each rank holds 599,941 of the 1,199,882 parameters", and in summary.json each
+rank's "peak_memory_mib" (try --width 64; fc1 is 94% of this model: see the README).
 
-Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
+Read also: plumbing/step08_fsdp2.py (restore into shards, what each rank holds),
+plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
 ignore_sigterm, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
 """
 
@@ -28,14 +27,15 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import Subset
 
 import common
-from plumbing import data, flags, metrics, step07_fault_tolerance as fault_tolerance
-from plumbing import step08_dcp_checkpoint as dcp_checkpoint
+from plumbing import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
+from plumbing import step08_fsdp2 as sharded
 from plumbing.model import build_model
 
 
@@ -93,10 +93,14 @@ def train_one_epoch(model, loader, optimizer, run, plan, progress, position, rng
     return (totals[0] / totals[1]).item()
 
 
-def evaluate(model, loader, run):
+def evaluate(model, loader, run, forwards):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
-    correct answers, samples), then the sums are added up over all ranks."""
+    correct answers, samples), then the sums are added up over all ranks. Every forward is a
+    collective (an all-gather): a rank with fewer test batches runs blank ones, counting none."""
     sums = metrics.test_sums(model, loader, run)
+    with torch.no_grad(), run.autocast():
+        for _ in range(forwards - len(loader)):
+            model(torch.zeros(1, 1, 28, 28, device=run.device))  # a blank digit
     dist.all_reduce(sums)
     return metrics.test_results(sums)
 
@@ -141,17 +145,8 @@ def shard(model, run, args):
     return model
 
 
-def held_per_rank(tensors, run) -> list[int]:
-    """How many elements of `tensors` (DTensors) each rank holds: its shards' sizes."""
-    counts = [None] * run.world_size
-    dist.all_gather_object(counts, sum(t.to_local().numel() for t in tensors))
-    return counts
-
-
 def main():
     parser = flags.parser(__doc__, __file__)
-    parser.add_argument("command", nargs="?", choices=["train", "export"], default="train",
-                        help="export: write the --resume checkpoint as one plain checkpoint.pt")
     parser.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction,
                         help="bf16 weights in compute, fp32 gradient sums (default: on GPUs "
                         "with bf16)")
@@ -163,8 +158,6 @@ def main():
                         default=100, metavar="K",
                         help="also checkpoint every K training steps (0: once per epoch only)")
     args = parser.parse_args()  # every flag is checked here
-    if args.command == "export":  # one process, no process group
-        return dcp_checkpoint.export(args.resume, args.out_dir / "checkpoint.pt", args)
     fault_tolerance.check_restart_store()  # a restarted group must not meet at a stale store
     stop = fault_tolerance.StopRequest()  # before the (slow) setup: SIGTERM may come any time
     use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
@@ -176,8 +169,9 @@ def main():
     train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
                                len(train_set))
-    if args.mixed_precision is None:
-        args.mixed_precision = run.device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if args.mixed_precision is None:  # on GPUs with bf16 (not emulated: slower than fp32)
+        args.mixed_precision = (run.device.type == "cuda"
+                                and torch.cuda.is_bf16_supported(including_emulation=False))
     common.announce(run, args, plan, __file__,
                     mixed_precision="bf16/fp32" if args.mixed_precision else "off")
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
@@ -189,62 +183,54 @@ def main():
                                     worker_init_fn=fault_tolerance.ignore_sigterm,
                                     drop_last=True)  # as in 07: equal steps on every rank
     # Evaluation must count every test sample exactly once, so no sampler padding here:
-    # a strided shard per rank. Every forward gathers weights from all ranks (a collective),
-    # so every rank runs as many test batches: the batch size splits the largest shard evenly.
+    # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    largest = math.ceil(len(test_set) / run.world_size)
-    test_loader = data.make_loader(test_shard, math.ceil(largest / math.ceil(largest / 1000)),
-                                   run, args)
+    test_loader = data.make_loader(test_shard, 1000, run, args)
+    test_forwards = math.ceil(math.ceil(len(test_set) / run.world_size) / 1000)  # the most
 
-    # The same weights on every rank (FSDP2 broadcasts nothing), then each keeps its shards.
-    model = shard(build_model(args, seed=args.seed).to(run.device), run, args)
+    # On the meta device a model has shapes and no memory. shard() splits each parameter over
+    # the ranks, to_empty() allocates this rank's shards (uninitialised), and rank 0's full
+    # copy is broadcast into them, one whole tensor at a time: only rank 0 holds the whole model.
+    with torch.device("meta"):
+        model = build_model(args, seed=args.seed)
+    shard(model, run, args).to_empty(device=run.device)
+    set_model_state_dict(model, build_model(args, seed=args.seed).state_dict() if run.is_main
+                         else {}, options=StateDictOptions(full_state_dict=True,
+                                                           broadcast_from_rank0=True))
+    memory_after_build = sharded.peak_memory_mib(run)  # (MiB)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # after shard()
-    params_per_rank = held_per_rank(model.parameters(), run)
-    params_total = sum(p.numel() for p in model.parameters())
-    common.log(run, f"FSDP2: each rank holds {params_per_rank[0]:,} of the {params_total:,} "
-                    f"parameters ({100 * params_per_rank[0] / params_total:.1f}%), and as much of "
-                    f"their gradients and optimizer state")
+    common.log(run, sharded.describe_shards(model))  # "each rank holds N of the M ..."
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-    latest = args.out_dir / "checkpoint"  # a link to the newest complete checkpoint folder
+    latest = args.out_dir / "checkpoint.pt"
     # Any rank restarted: all resume (an agent restarted only because another node failed
     # does not count that restart). A fresh run starts fresh.
     if args.resume is None and common.all_ranks_agree(run, fault_tolerance.restarted(),
                                                            any_rank=True):
-        args.resume = latest if latest.exists() else None
+        args.resume = latest if latest.is_file() else None
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
-        # Every rank reads the shards it needs now, whatever the world size that wrote them.
-        folder = dcp_checkpoint.complete_folder(args.resume)
-        model_state, optim_state = get_state_dict(model, optimizer)  # this run's shard layout
-        state = {"model": model_state, "optim": optim_state,
-                 "extra": {"epoch": 0, "position": dict(EPOCH_START),  # (loaded in place)
-                           "scheduler": scheduler.state_dict()}}
-        dcp_checkpoint.load(state, folder)  # in place
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        scheduler.load_state_dict(state["extra"]["scheduler"])
-        start_epoch, position = state["extra"]["epoch"], state["extra"]["position"]
-        if position["step"]:  # mid-epoch; at an epoch's start, seed_everything draws it anew
-            rng = dcp_checkpoint.rng_state(folder, run)  # same world size only, else None
-        common.log(run, f"resumed from {folder} at step {position['step']} of epoch "
-                        f"{start_epoch + 1}")
-    saving = dcp_checkpoint.Saver(args.out_dir, run)
+        saved = sharded.restore(args.resume, run, model, optimizer, scheduler)
+        start_epoch, position = saved["epoch"], saved.get("position") or EPOCH_START
+        if "rng" in saved and len(saved["rng"]) == run.world_size and position["step"]:
+            rng = saved["rng"][run.rank]  # each rank its own (their dropout masks differ)
+        common.log(run, f"resumed at step {position['step']} of epoch {start_epoch + 1}")
 
-    def save(epochs_done, step=0, loss_sum=None, samples=0, wait=False):
-        """Every rank calls this, and writes its own shards (in the background)."""
+    def save(epochs_done, step=0, loss_sum=None, samples=0):
+        """Every rank calls this: the partial sums and RNG states are gathered from all."""
         sums = torch.tensor([0.0 if loss_sum is None else loss_sum.item(), samples],
                             dtype=torch.float64, device=run.device)
         dist.all_reduce(sums)  # the epoch's sums so far, over every rank's samples
-        done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item() if step else 0.0,
-                "samples": position["samples"] + int(sums[1].item()) if step else 0}
-        model_state, optim_state = get_state_dict(model, optimizer)  # this rank's shards
-        saving.start({"model": model_state, "optim": optim_state,
-                      "extra": {"epoch": epochs_done, "position": done,
-                                "scheduler": scheduler.state_dict()}},
-                     f"epoch{epochs_done + 1}-step{step}" if step else f"epoch{epochs_done}-end",
-                     fault_tolerance.rng_state())
-        if wait:
-            saving.finish()
+        rng_states = [None] * run.world_size
+        dist.all_gather_object(rng_states, fault_tolerance.rng_state())  # every rank's own
+        # The whole state, gathered to rank 0's CPU a tensor at a time (the others get {}).
+        model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        if run.is_main:
+            done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
+                    "samples": position["samples"] + int(sums[1].item())}
+            checkpoint.save(latest, model_state, sharded.numbered(optim_state), scheduler,
+                            epochs_done, position=done if step else None, rng=rng_states)
+        dist.barrier()  # no rank may read the checkpoint before it is complete
 
     def after_step(step, loss_sum, samples):
         """Checkpoint every --checkpoint-every steps; on an agreed stop request, save and stop.
@@ -252,7 +238,7 @@ def main():
         stopping = stop.agreed(run)
         if stopping or (args.checkpoint_every and step % args.checkpoint_every == 0):
             progress.check_loss()  # never save a model whose loss went NaN
-            save(epoch, step, loss_sum, samples, wait=stopping)
+            save(epoch, step, loss_sum, samples)
         if stopping:
             common.log(run, f"stopping at step {step} of epoch {epoch + 1} (SIGTERM): "
                             f"checkpoint saved in {latest}")
@@ -275,16 +261,16 @@ def main():
             samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            test = evaluate(model, test_loader, run)
+            test = evaluate(model, test_loader, run, test_forwards)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             save(epoch + 1)
-    saving.finish()  # the last save, complete before the run ends
     if test is None:  # resumed a finished run: evaluate only
-        test = evaluate(model, test_loader, run)
-    optimizer_state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
-    results.summary(__file__, args, plan, test, progress, nodes=nodes,
-                    params_per_rank=params_per_rank, params_total=params_total,
-                    optimizer_state_per_rank=held_per_rank(optimizer_state, run))
+        test = evaluate(model, test_loader, run, test_forwards)
+    if progress.first_step_seconds is not None:
+        common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off costs: warm-up, "
+                        f"the compile if on), then {progress.samples_per_sec or 0:,.0f} samples/s")
+    results.summary(__file__, args, plan, test, progress, nodes=nodes,  # + what each rank held
+                    **sharded.held_per_rank(model, optimizer, run, memory_after_build))
     dist.destroy_process_group()
 
 

@@ -120,6 +120,28 @@ def configs(opts) -> list[Config]:
             Config("fsdp2", "08 (FSDP2)", "08_fsdp2.py",
                    [*data, "--batch-size", 2 * per_rank, "--checkpoint-every", "0",
                     "--width", "8"], nproc=2, env=one_thread),
+            Config("fsdp2", "08 (FSDP2, --no-reshard-after-forward)", "08_fsdp2.py",
+                   [*data, "--batch-size", 2 * per_rank, "--checkpoint-every", "0",
+                    "--width", "8", "--no-reshard-after-forward"], nproc=2, env=one_thread),
+        ],
+        "dcp": [  # checkpoints of a sharded model: gathered to rank 0's one file, or DCP's
+            Config("dcp", f"08, one file every {opts.checkpoint_every} steps", "08_fsdp2.py",
+                   [*data, "--batch-size", 2 * per_rank, "--width", "8",
+                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
+            Config("dcp", f"09, DCP in the background every {opts.checkpoint_every} steps",
+                   "09_distributed_checkpoint.py",
+                   [*data, "--batch-size", 2 * per_rank, "--width", "8",
+                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
+        ],
+        "memory": [  # peak memory per rank (MiB, the largest rank's) of a 64x wider model;
+            # 08's rank 0 also gathers the whole state for its checkpoint at the epoch's end
+            *(Config("memory", f"{step[:2]} --width 64, {n} rank{'s' * (n > 1)}", step,
+                     [*data, "--train-samples", str(96 * n), "--batch-size", str(16 * n),
+                      "--width", "64", "--checkpoint-every", "0"], nproc=n,
+                     metric="peak_memory_mib", env=one_thread)
+              for step, n in [("08_fsdp2.py", 1), ("08_fsdp2.py", 2), ("08_fsdp2.py", 3),
+                              ("09_distributed_checkpoint.py", 2),
+                              ("09_distributed_checkpoint.py", 3)]),
         ],
         "minimal": [  # 03 against the plainest DDP loop: what the tutorial's machinery costs
             Config("minimal", "minimal DDP loop (bench/minimal_ddp.py)", "bench/minimal_ddp.py",
@@ -182,9 +204,15 @@ def run_once(config: Config, out_dir: Path) -> float:
         return 100 * breakdown["exposed_comm_ms"] / breakdown["step_ms"]
     summary = json.loads((out_dir / "summary.json").read_text())
     for key in ("first_step_seconds", "train_seconds", "params_per_rank", "params_total",
-                "mfu"):
+                "mfu", "memory_after_build_mib", "peak_memory_mib"):
         config.extras.setdefault(key, []).append(summary.get(key))
-    return summary[config.metric]
+    # 09's "checkpoint NAME: B s blocking training, then W s in the background", per save
+    for blocking, background in re.findall(r"([\d.]+) s blocking training, then ([\d.]+) s",
+                                           proc.stdout):
+        config.extras.setdefault("blocking", []).append(float(blocking))
+        config.extras.setdefault("background", []).append(float(background))
+    value = summary[config.metric]
+    return max(value) if isinstance(value, list) else value  # per rank: the largest
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -238,8 +266,8 @@ def report(chosen: list[Config], opts) -> str:
                 comparison = (f"scaling efficiency {efficiency:.2f} "
                               f"(samples/s(2) / 2 x samples/s(1))")
             unit = {"busbw": "GB/s bus bandwidth", "wall": "s per run",
-                    "exposed": "% of a step in exposed communication"}.get(config.metric,
-                                                                          "samples/s")
+                    "exposed": "% of a step in exposed communication",
+                    "peak_memory_mib": "peak MiB per rank"}.get(config.metric, "samples/s")
             if row == "scaling":  # how far from the hardware: achieved / peak FLOP/s
                 mfu = 100 * statistics.median(config.extras["mfu"])
                 comparison = "; ".join(filter(None, [comparison, f"MFU {mfu:.1f} %"]))
@@ -250,6 +278,17 @@ def report(chosen: list[Config], opts) -> str:
                 total = config.extras["params_total"][0]
                 comparison += (f"; per rank {3 * 4 * held / 2**20:.1f} MiB of weights, gradients "
                                f"and momentum vs {3 * 4 * total / 2**20:.1f} MiB under DDP")
+            if row == "dcp" and "blocking" in config.extras:
+                comparison += (f"; a save blocks training "
+                               f"{statistics.median(config.extras['blocking']):.2f} s, then "
+                               f"writes {statistics.median(config.extras['background']):.2f} s "
+                               f"in the background (medians over every save)")
+            if row == "memory":  # tensor bytes: weights + gradients + momentum, and the peaks
+                held = config.extras["params_per_rank"][0]
+                built = [round(m) for m in config.extras["memory_after_build_mib"][-1]]
+                peak = [round(m) for m in config.extras["peak_memory_mib"][-1]]
+                comparison = (f"weights+gradients+momentum {3 * 4 * held[0] / 2**20:.0f} MiB per "
+                              f"rank; process peak per rank once built {built}, at most {peak}")
             if row == "restart" and i == 1:
                 lost = med - spread(group[0].values)[0]
                 comparison = f"{lost:.1f} s lost to the kill (restart + redone steps)"
@@ -262,7 +301,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="scaling,overhead,minimal,exposed,wrapper,compile,"
-                                          "streaming,checkpoints,restart,fsdp2,allreduce")
+                                          "streaming,checkpoints,restart,fsdp2,dcp,memory,"
+                                          "allreduce")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--per-rank-batch", type=int, default=64)

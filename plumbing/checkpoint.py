@@ -25,7 +25,9 @@ def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
     A crash or a full disk mid-write leaves the previous checkpoint as it was: the rename is
     atomic on POSIX, and a failed write removes its temporary file.
     """
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    # (Step 08 passes the state dicts themselves: it gathers them from every rank's shards.)
+    state = {"model": model if isinstance(model, dict) else model.state_dict(),
+             "optimizer": optimizer if isinstance(optimizer, dict) else optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "epoch": epoch, **extra}
     if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
         raise UserError(f"the weights became NaN or infinite; not saving them over {path}. "

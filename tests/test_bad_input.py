@@ -115,8 +115,9 @@ def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):
 
 # ---------------------------------------------------------------- every flag, checked first
 STEPS = {"00": "00_single_gpu.py", "01": "01_torch_dist_allreduce.py", "02": "02_manual_ddp.py",
-         "02b": "02b_overlap_by_hand.py", "03": "03_ddp_wrapper.py", "04": "04_ddp_compile.py", "05": "05_multinode.py",
-         "06": "06_streaming_h5.py", "07": "07_fault_tolerance.py"}
+         "02b": "02b_overlap_by_hand.py", "03": "03_ddp_wrapper.py", "04": "04_ddp_compile.py",
+         "05": "05_multinode.py", "06": "06_streaming_h5.py", "07": "07_fault_tolerance.py",
+         "08": "08_fsdp2.py", "09": "09_distributed_checkpoint.py"}
 BAD_FLAGS = [  # (step, arguments, what the one line must say)
     *[(step, ["--epochs", value], "--epochs") for step in ("00", "03") for value in ("0", "-1")],
     ("00", ["--epochs", "1.5"], "not a whole number"),
@@ -144,6 +145,9 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("06", ["--h5-chunk", "0"], "--h5-chunk must be at least 1"),
     ("06", ["--h5-compression", "zip"], "invalid choice: 'zip'"),
     ("07", ["--checkpoint-every", "-1"], "--checkpoint-every must be at least 0"),
+    ("08", ["--width", "65"], "--width must be from 1 to 64"),
+    ("09", ["--checkpoint-every", "1.5"], "not a whole number"),
+    ("09", ["import"], "invalid choice: 'import'"),
     ("01", ["--max-mb", "0"], "--max-mb must be from 1 to 4096"),
 ]
 

@@ -16,7 +16,7 @@ import torch
 
 from plumbing import checkpoint
 from plumbing import step07_fault_tolerance as fault_tolerance
-from plumbing import step08_dcp_checkpoint as dcp_checkpoint
+from plumbing import step09_dcp_checkpoint as dcp_checkpoint
 from conftest import (REPO, RESTART_ARGS, base_env, max_difference, rank_params, read_summary,
                       run_step, saved_checkpoint, torchrun_cmd)
 
@@ -118,10 +118,10 @@ def test_what_a_checkpoint_restores_lands_on_the_cpu_first(tmp_path, monkeypatch
     """On a GPU, torch.load(map_location=<the run's device>) would put the saved RNG states on
     the GPU, and torch.set_rng_state (CPU tensors only) would then fail every resume. Here a
     loader that puts whatever is not asked for on the CPU on "meta" stands in for a GPU: 07's
-    and 08's loads must still give RNG states that set."""
+    and 09's loads must still give RNG states that set."""
     path, state = saved_checkpoint(tmp_path)
     checkpoint.save(path, *state, 1, rng=[fault_tolerance.rng_state()])  # as 07 saves them
-    torch.save(fault_tolerance.rng_state(), tmp_path / "rng-rank0.pt")  # as 08 saves them
+    torch.save(fault_tolerance.rng_state(), tmp_path / "rng-rank0.pt")  # as 09 saves them
     real_load = torch.load
 
     def elsewhere_unless_cpu(f, map_location=None, **kwargs):

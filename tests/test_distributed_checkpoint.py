@@ -1,0 +1,170 @@
+"""Step 09: FSDP2 with distributed checkpoints (DCP) still trains like DDP, and its checkpoints
+resume on any number of ranks, survive a rank killed mid-save, export to one plain file, and
+never run code that a file holds.
+
+Every run is 2 epochs of 20 steps (conftest.RESTART_ARGS), or the first of them; the weights of
+a run are read back from its final DCP checkpoint, in this process, without a process group.
+"""
+
+import os
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, read_summary, run_step
+from plumbing import step09_dcp_checkpoint as dcp_checkpoint
+from plumbing.errors import UserError
+from plumbing.model import Net
+
+STEP = "09_distributed_checkpoint.py"
+
+
+def final_weights(out: Path) -> dict:
+    """The model in <out>/checkpoint (the link to the newest complete DCP checkpoint)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(dcp_checkpoint.complete_folder(out / "checkpoint"), Path(tmp) / "all.pt")
+        return torch.load(Path(tmp) / "all.pt", weights_only=True)["model"]
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(mnist_root, tmp_path_factory):
+    """09 on 2 ranks for 2 epochs, and for 1 epoch; the 1-epoch checkpoint resumed for the
+    second epoch on 1 rank and on 3 ranks."""
+    root = tmp_path_factory.mktemp("dcp")
+    args = [*RESTART_ARGS, "--data-dir", mnist_root]
+    result = {}
+    for name, nproc, extra in [("straight", 2, []), ("first_epoch", 2, ["--epochs", 1])]:
+        proc = run_step(STEP, [*args, *extra, "--out-dir", root / name], nproc=nproc)
+        result[name] = {"out": root / name, "stdout": proc.stdout}
+    for ranks in (1, 3):
+        out = root / f"resumed_on_{ranks}"
+        proc = run_step(STEP, [*args, "--resume", root / "first_epoch" / "checkpoint",
+                               "--out-dir", out], nproc=ranks)
+        result[f"resumed_on_{ranks}"] = {"out": out, "stdout": proc.stdout}
+    return result
+
+
+def test_fsdp2_with_dcp_ends_with_the_weights_of_ddp(runs, uninterrupted_07):
+    """As 08 (tests/test_fsdp2.py): bit-identical to DDP on 2 ranks, checkpointing as it goes."""
+    ddp = torch.load(uninterrupted_07 / "checkpoint.pt", weights_only=True)["model"]
+    assert max_difference(final_weights(runs["straight"]["out"]), ddp) == 0.0
+    assert read_summary(runs["straight"]["out"])["train_losses"] == pytest.approx(
+        read_summary(uninterrupted_07)["train_losses"], rel=1e-12)
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_checkpoint_of_2_ranks_resumes_on_another_number_of_ranks(runs, ranks):
+    resumed = read_summary(runs[f"resumed_on_{ranks}"]["out"])
+    straight = read_summary(runs["straight"]["out"])
+    assert resumed["world_size"] == ranks and len(resumed["params_per_rank"]) == ranks
+    assert resumed["test_samples"] == TEST_SAMPLES  # every test sample counted once
+    assert "resumed from" in runs[f"resumed_on_{ranks}"]["stdout"]
+    # The same samples per step; other dropout masks and summation orders (the random streams
+    # of another world size cannot be the same): about the same result, not the same bits.
+    assert abs(resumed["test_accuracy"] - straight["test_accuracy"]) < 0.05
+    assert resumed["train_losses"][0] == pytest.approx(straight["train_losses"][1], rel=0.05)
+
+
+def test_a_rank_killed_mid_save_resumes_from_the_previous_checkpoint_exactly(
+        runs, mnist_root, tmp_path):
+    """Rank 1 dies while writing its shards of the 3rd checkpoint (step 12 of epoch 1): the link
+    still names the 2nd (step 8), torchrun restarts the group, and the run ends bit-identical
+    to the uninterrupted one."""
+    proc = run_step(STEP, [*RESTART_ARGS, "--data-dir", mnist_root, "--out-dir", tmp_path],
+                    nproc=2, probe_dir=tmp_path / "probe",
+                    env_extra={"PROBE_KILL_SAVE": "1:3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": 1},
+                    torchrun_extra=("--max-restarts", "1"))
+    assert "at step 8 of epoch 1" in proc.stdout, proc.stdout[-3000:]
+    assert max_difference(final_weights(tmp_path), final_weights(runs["straight"]["out"])) == 0
+    assert sorted(p.name for p in tmp_path.glob("checkpoint*")) == [
+        "checkpoint", "checkpoint-epoch2-end"]  # older and unfinished folders are gone
+
+
+def test_the_exported_checkpoint_loads_plainly_and_evaluates_the_same(runs, mnist_root,
+                                                                      tmp_path):
+    out = runs["straight"]["out"]
+    run_step(STEP, ["export", "--resume", out / "checkpoint", "--out-dir", tmp_path])
+    plain = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    model = Net()
+    model.load_state_dict(plain["model"])  # strict: the keys of a plain Net, no prefixes
+    assert max_difference(plain["model"], final_weights(out)) == 0.0
+    # Step 00, resumed at its last epoch, only evaluates: the same test set, the same answers.
+    run_step("00_single_gpu.py", ["--data", "mnist", "--data-dir", mnist_root, "--epochs", 2,
+                                  "--resume", tmp_path / "checkpoint.pt",
+                                  "--out-dir", tmp_path / "00"])
+    assert (read_summary(tmp_path / "00")["test_correct"]
+            == read_summary(out)["test_correct"])
+
+
+class Payload:
+    """What an attacker would put in a checkpoint: unpickling it runs a command (it creates
+    `marker`)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def with_malicious_metadata(checkpoint: Path, folder: Path, marker: Path) -> Path:
+    """A copy of a real checkpoint whose .metadata was replaced by a payload (the protocol DCP
+    writes, so it is FRAMEd as a real one)."""
+    shutil.copytree(checkpoint.resolve(), folder)
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker), protocol=4))
+    return folder
+
+
+def test_a_checkpoint_that_is_incomplete_of_another_model_or_malicious_is_one_line(runs,
+                                                                                   tmp_path):
+    unfinished = tmp_path / "checkpoint-epoch1-step4"  # what a killed save leaves: no .metadata
+    unfinished.mkdir()
+    (unfinished / "__0_0.distcp").write_bytes(b"half")
+    marker = tmp_path / "code-ran"
+    malicious = with_malicious_metadata(runs["straight"]["out"] / "checkpoint",
+                                        tmp_path / "malicious", marker)
+    for command, resume, extra, expected in [
+            ("train", unfinished, [], "is not a complete DCP checkpoint"),
+            ("train", runs["straight"]["out"] / "checkpoint", ["--width", "2"],
+             "does not fit this model (ValueError: Size mismatch"),
+            ("train", malicious, [], "is not a DCP checkpoint's metadata; not loading it "
+                                     "(UnpicklingError: posix.system is not allowed"),
+            ("export", malicious, [], "is not a DCP checkpoint's metadata")]:
+        proc = run_step(STEP, [command, "--data", "synthetic", "--train-samples", 96,
+                               "--batch-size", 48, "--resume", resume, *extra,
+                               "--out-dir", tmp_path / "out"], check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        errors = proc.stderr.strip().splitlines()
+        assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+        assert_no_traceback(proc)
+    assert not marker.exists()  # the payload never ran
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no process group here
+def test_a_saved_value_or_random_state_that_would_run_code_is_refused(tmp_path):
+    """DCP stores a value that is not a tensor (the epoch, the scheduler) as a pickle, which
+    torch 2.14's planner loads with weights_only=False; the RNG files are pickles too."""
+    marker = tmp_path / "code-ran"
+    dcp.save({"extra": {"epoch": Payload(marker)}}, checkpoint_id=tmp_path)
+    with pytest.raises(UserError, match="holds something other than data; not loading it "
+                                        r"\(UnpicklingError"):
+        dcp_checkpoint.load({"extra": {"epoch": 0}}, dcp_checkpoint.complete_folder(tmp_path))
+    torch.save(Payload(marker), tmp_path / "rng-rank0.pt")
+    with pytest.raises(UserError, match="is not a random state; not loading it"):
+        dcp_checkpoint.rng_state(tmp_path, type("Run", (), {"world_size": 1, "rank": 0}))
+    assert not marker.exists()
+    # ...and the payload is real: plain DCP would have run it.
+    dcp.load({"extra": {"epoch": 0}}, checkpoint_id=tmp_path)
+    assert marker.exists()
+
