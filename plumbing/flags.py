@@ -13,17 +13,18 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import launcher_rank
+from .errors import report
 
 SEED_LIMIT = 2**32  # numpy's legacy seeding, the narrowest of the RNGs we seed, takes 0 .. 2**32-1
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line, printed once (by rank 0), not the whole usage."""
+    """argparse, but an error is one line, not the whole usage, printed by every rank that met
+    it (once per machine: see errors.report): an --out-dir or --resume path may be missing on
+    one node only."""
 
     def error(self, message):
-        if launcher_rank() == 0:
-            print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr, flush=True)
+        report(f"{self.prog}: {message} (see --help)")
         raise SystemExit(2)
 
 

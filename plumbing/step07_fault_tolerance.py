@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from . import data
-from .errors import UserError
+from .errors import STOP_SIGNALS, Interrupted, UserError
 
 EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
 
@@ -36,14 +36,33 @@ class ResumableSampler(DistributedSampler):
 
 
 class StopRequest:
-    """SIGTERM means "stop soon": SLURM sends it before it preempts a job or at the time limit,
-    and kills after KillWait (30 s by default); torchrun forwards it to its workers and kills
-    them after --shutdown-timeout (30 s). Stopping mid-step would leave nothing to save, so the
-    handler only takes note; about once a second the ranks vote, at the same step."""
+    """A stop signal means "stop soon": SLURM sends SIGTERM before it preempts a job or at the
+    time limit (USR1 or USR2 with --signal), and kills after KillWait (30 s by default);
+    torchrun forwards SIGTERM, SIGHUP and SIGQUIT (and those of --signals-to-handle) to its
+    workers and kills them after --shutdown-timeout (30 s). Stopping mid-step would leave nothing
+    to save, so the handler only takes note; about once a second the ranks vote, at the same step.
+
+    A request that cannot become a checkpoint ends the process at once (errors.Interrupted, exit
+    128 + the signal's number): one before the first vote (no step trained yet: nothing to save),
+    and a second one (whoever sends it twice means now). Ctrl-C (SIGINT) always ends at once."""
 
     def __init__(self):
-        self.requested, self.steps, self.next_vote, self.started = False, 0, 1, time.monotonic()
-        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "requested", True))
+        self.requested = None  # the name of the signal that asked this rank to stop
+        self.steps, self.next_vote, self.started = 0, 1, time.monotonic()
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested:
+            raise Interrupted(signum, f"a second stop signal ({name} after {self.requested})")
+        if not self.steps:
+            raise Interrupted(signum, f"{name} before the first training step")
+        self.requested = name
+
+    @property
+    def reason(self) -> str:
+        return self.requested or "a stop signal to another rank"
 
     def agreed(self, run) -> bool:
         """Call after every step on every rank: True on all ranks if any rank was asked."""
@@ -51,7 +70,7 @@ class StopRequest:
         if self.steps < self.next_vote:
             return False
         pace = self.steps / (time.monotonic() - self.started)  # steps per second so far
-        votes = torch.tensor([float(self.requested), pace], device=run.device)
+        votes = torch.tensor([float(self.requested is not None), pace], device=run.device)
         dist.all_reduce(votes)  # any request stops all; the mean pace times the next vote
         self.next_vote = self.steps + max(1, int(votes[1] / run.world_size))  # in ~1 s
         return bool(votes[0] > 0)
@@ -71,11 +90,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def ignore_sigterm(worker_id):
-    """DataLoader workers get SLURM's SIGTERM too, and one dying of it would fail its rank
-    before the rank can save: they ignore it, and end when their rank does."""
+def ignore_stop_signals(worker_id):
+    """DataLoader workers get SLURM's SIGTERM (and a terminal's Ctrl-C) too, and one dying of it
+    would fail its rank before the rank can save: they ignore the stop signals and SIGINT, and
+    end with their rank (errors.run_main kills them; a rank killed outright leaves workers that
+    notice within seconds and exit)."""
     data.seed_worker(worker_id)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGINT, *STOP_SIGNALS):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+ignore_sigterm = ignore_stop_signals  # the name step 08 still uses
 
 
 def restarted() -> bool:

@@ -10,8 +10,9 @@ optimizer, and the training set's batch fetch is wrapped to note the indices it 
 Two failures on request:
 - PROBE_KILL=<rank>:<step>: that rank SIGKILLs itself after its <step>-th optimizer step, in the
   first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a crashed node would;
-- PROBE_STALL=<rank>: that rank stops answering after its first step (sleeps an hour), as a rank
-  stuck in I/O or a deadlock would; the others wait in their next all-reduce until --timeout;
+- PROBE_STALL=<rank>[:<step>]: that rank stops answering after its first step (or its <step>-th)
+  (sleeps an hour), as a rank stuck in I/O or a deadlock would; the others wait in their next
+  all-reduce until --timeout;
 - PROBE_NAN=<rank>:<step>: after its <step>-th optimizer step that rank sets its first weight to
   NaN, as an overflow would, so that its next loss is NaN;
 - PROBE_KILL_SAVE=<rank>:<n>: that rank SIGKILLs itself while it writes its shards of the n-th
@@ -37,6 +38,7 @@ fetched = defaultdict(list)
 rank = os.environ.get("RANK", "0")
 kill_rank, _, kill_step = os.environ.get("PROBE_KILL", "-1:0").partition(":")
 nan_rank, _, nan_step = os.environ.get("PROBE_NAN", "-1:0").partition(":")
+stall_rank, _, stall_step = os.environ.get("PROBE_STALL", "-1").partition(":")
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
@@ -44,7 +46,7 @@ def after_optimizer_step(optimizer, args, kwargs):
     seen.update(opt=optimizer, steps=seen["steps"] + 1)
     if first_attempt and rank == kill_rank and seen["steps"] == int(kill_step):
         os.kill(os.getpid(), signal.SIGKILL)
-    if rank == os.environ.get("PROBE_STALL"):
+    if rank == stall_rank and seen["steps"] >= int(stall_step or 1):
         time.sleep(3600)
     if rank == nan_rank and seen["steps"] == int(nan_step):
         with torch.no_grad():
