@@ -46,8 +46,10 @@ def integer(lowest: int, highest: int | None = None, what: str = ""):
     return parse
 
 
-def positive_float(what: str):
-    """An argparse type: a finite number above zero (rejects nan, inf, 0 and negatives)."""
+def positive_float(what: str, highest: float = 1e4, lowest: float | None = None):
+    """An argparse type: a finite number above zero (at least `lowest`, when given) and at most
+    `highest`. A finite number can still be absurd: --timeout 0.0001 becomes 0 ms, --lr 1e308
+    overflows the first update, --bucket-cap-mb 1e300 overflows the conversion to bytes."""
 
     def parse(text: str) -> float:
         try:
@@ -57,6 +59,10 @@ def positive_float(what: str):
         if not math.isfinite(value) or value <= 0:
             raise argparse.ArgumentTypeError(f"{text} is not allowed: {what} must be a finite "
                                              f"number above 0")
+        if value > highest or (lowest is not None and value < lowest):
+            limits = (f"above 0 and at most {highest:g}" if lowest is None
+                      else f"from {lowest:g} to {highest:g}")
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what} must be {limits}")
         return value
 
     return parse
@@ -105,7 +111,7 @@ def parser(doc: str, script: str) -> Parser:
     train.add_argument("--max-device-batch", type=integer(1, what="--max-device-batch"),
                        metavar="M", help="most samples one device takes at once; larger "
                        "per-rank batches are split into micro-batches whose gradients accumulate")
-    train.add_argument("--lr", type=positive_float("--lr"), default=0.05)
+    train.add_argument("--lr", type=positive_float("--lr", highest=10), default=0.05)
     train.add_argument("--seed", type=integer(0, SEED_LIMIT - 1, "--seed"), default=0)
     train.add_argument("--no-dropout", dest="dropout", action="store_false",
                        help="turn dropout off (tests use it to compare runs weight for weight)")
@@ -116,7 +122,8 @@ def parser(doc: str, script: str) -> Parser:
     system = p.add_argument_group("system")
     system.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     system.add_argument("--amp", action="store_true", help="bf16 autocast on GPUs that support it")
-    system.add_argument("--timeout", type=positive_float("--timeout"), default=600,
+    system.add_argument("--timeout", default=600,
+                        type=positive_float("--timeout", lowest=1, highest=7 * 24 * 3600),
                         metavar="SECONDS", help="how long a collective waits for a peer "
                         "before failing (gloo; NCCL's watchdog then ends the process)")
     # (A string default: argparse checks it like a typed value.)

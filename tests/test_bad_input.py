@@ -144,6 +144,11 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("06", ["--h5-compression", "zip"], "invalid choice: 'zip'"),
     ("07", ["--checkpoint-every", "-1"], "--checkpoint-every must be at least 0"),
     ("01", ["--max-mb", "0"], "--max-mb must be from 1 to 4096"),
+    # Finite but absurd (issue 27): 0 ms once truncated, overflows.
+    ("00", ["--timeout", "0.0001"], "--timeout must be from 1 to 604800"),
+    ("03", ["--timeout", "1e300"], "--timeout must be from 1 to 604800"),
+    ("00", ["--lr", "1e308"], "--lr must be above 0 and at most 10"),
+    ("07", ["--bucket-cap-mb", "1e300"], "--bucket-cap-mb must be above 0 and at most 10000"),
 ]
 
 
