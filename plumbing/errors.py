@@ -5,6 +5,7 @@ Step 00 first needs it (every step ends with `common.run_main(main)`, which is t
 
 from __future__ import annotations
 
+import datetime
 import gc
 import hashlib
 import multiprocessing
@@ -35,6 +36,48 @@ class Interrupted(BaseException):
     def __init__(self, signum: int, why: str):
         super().__init__(why)
         self.signum = signum
+
+
+class PeerFailure(Exception):
+    """Another rank failed or never came: one line, exit 3, printed by the rank that waited."""
+
+
+# The process group's key-value store, once this rank joined (ranks.join_group): a rank that
+# fails leaves its message there, and a rank that then loses it can say who failed and why.
+_group_store = None
+STORE_PREFIX = "ddp-tutorial"
+
+
+def remember_store(store) -> None:
+    global _group_store
+    _group_store = store
+
+
+def leave_message(message: str) -> None:
+    """Leave this rank's error in the group's store, for the ranks that will wait for it."""
+    if _group_store is None:
+        return
+    try:
+        _group_store.set(f"{STORE_PREFIX}/failed/{launcher_rank()}",
+                         f"{message} (on {socket.gethostname()})")
+    except Exception:  # noqa: BLE001 -- the store died with its host: nothing to leave
+        pass
+
+
+def failed_peers() -> list[str]:
+    """`rank R: <its error>` for each other rank that left one in the store (see leave_message)."""
+    if _group_store is None:
+        return []
+    found = []
+    try:
+        _group_store.set_timeout(datetime.timedelta(seconds=5))
+        for rank in range(launcher_world_size()):
+            key = f"{STORE_PREFIX}/failed/{rank}"
+            if rank != launcher_rank() and _group_store.check([key]):
+                found.append(f"rank {rank}: {_group_store.get(key).decode()}")
+    except Exception:  # noqa: BLE001 -- the store's host (rank 0 or the agent) is gone
+        pass
+    return found
 
 
 def launcher_rank() -> int:
@@ -124,18 +167,22 @@ def exit_code(err: BaseException) -> int | None:
         message = str(err)
         if "DataLoader worker" in message:  # re-raised with the worker's traceback
             message = message.rsplit("UserError: ", 1)[-1].strip()
+        leave_message(message)
         report(message)
         return 2
     if isinstance(err, (KeyboardInterrupt, Interrupted)):
         signum = getattr(err, "signum", signal.SIGINT)
         why = str(err) if isinstance(err, Interrupted) else "interrupted (SIGINT)"
+        leave_message(why)
         report(f"{why}: stopped at once, without a checkpoint (the last one saved is kept)")
         return 128 + signum
+    explanation = str(err) if isinstance(err, PeerFailure) else None
     if isinstance(err, RuntimeError):
         explanation = explain_collective_failure(err)
-        if explanation is not None:
-            print(f"error: rank {launcher_rank()}: {explanation}", file=sys.stderr, flush=True)
-            return 3
+    if explanation is not None:
+        print(f"error: rank {launcher_rank()}: {explanation}", file=sys.stderr, flush=True)
+        return 3
+    leave_message(f"{type(err).__name__}: {first_line(err)}")  # a bug: its traceback follows
     return None
 
 
@@ -178,12 +225,17 @@ def explain_collective_failure(err: RuntimeError) -> str | None:
     """
     message = str(err)
     detail = first_line(err).split("] ", 1)[-1]  # drop gloo's "[/path/to/file.cc:123]"
+    failed = "; ".join(failed_peers())
     if "timed out" in message.lower() or "timeout" in message.lower():
+        if failed:
+            return f"a collective timed out ({detail}) because {failed}"
         return (f"a collective timed out ({detail}): another rank stalled or died without "
                 f"closing its connections; check the other ranks' output, or raise --timeout "
                 f"if some ranks legitimately take longer (e.g. a slow first step)")
     if any(marker in message for marker in ("Connection reset", "Connection closed",
                                             "Connection refused", "Broken pipe")):
+        if failed:
+            return f"lost contact with a peer during a collective ({detail}) because {failed}"
         return (f"lost contact with a peer during a collective ({detail}): another rank "
-                f"crashed or was killed; its own output above says why")
+                f"crashed or was killed; its own output says why")
     return None
