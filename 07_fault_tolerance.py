@@ -157,14 +157,17 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     latest = args.out_dir / "checkpoint.pt"
+    settings = fault_tolerance.run_settings(__file__, args, plan, train_set)  # what this run is
     # Any rank restarted: all resume (an agent restarted only because another node failed
-    # does not count that restart). A fresh run starts fresh.
+    # does not count that restart), from this run's own checkpoint only: another run's, left in
+    # the same --out-dir, is not adopted. A fresh run starts fresh.
     if args.resume is None and common.all_ranks_agree(run, fault_tolerance.restarted(),
                                                            any_rank=True):
-        args.resume = latest if latest.is_file() else None
+        args.resume = fault_tolerance.own_checkpoint(latest, settings, run)
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
         saved = checkpoint.restore(args.resume, run, raw_model, optimizer, scheduler)
+        fault_tolerance.check_same_sample_order(saved, settings, args.resume)  # mid-epoch
         start_epoch, position = saved["epoch"], saved.get("position") or EPOCH_START
         if "rng" in saved and len(saved["rng"]) == run.world_size and position["step"]:
             rng = saved["rng"][run.rank]  # each rank its own (their dropout masks differ)
@@ -181,7 +184,7 @@ def main():
             done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
                     "samples": position["samples"] + int(sums[1].item())}
             checkpoint.save(latest, raw_model, optimizer, scheduler, epochs_done,
-                            position=done if step else None, rng=rng_states)
+                            position=done if step else None, rng=rng_states, run=settings)
         dist.barrier()  # no rank may read the checkpoint before it is complete
 
     def after_step(step, loss_sum, samples):

@@ -7,17 +7,20 @@ is written here, beside the code.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from . import data
+from . import checkpoint, data
 from .errors import STOP_SIGNALS, Interrupted, UserError
+from .ranks import log
 
 EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
 
@@ -88,6 +91,60 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])  # CPU tensors: checkpoints load to the CPU
     if "cuda" in state and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+# The settings that decide which samples the rest of an epoch trains, and in which order.
+SAMPLE_ORDER = ("step", "data", "train_samples", "seed", "global_batch")
+
+
+def run_settings(script: str, args, plan, train_set) -> dict:
+    """What makes a run the same run, recorded in every checkpoint: the step, the data (its
+    labels' fingerprint: MNIST and the synthetic digits differ) and its size, the seed, the
+    global batch, the model's shape and the learning rate. (Not the world size: with the same
+    global batch, any world size trains the same samples in the same steps.)"""
+    labels = getattr(train_set, "labels", None)
+    fingerprint = (hashlib.sha1(labels.numpy().tobytes()).hexdigest()[:16]
+                   if labels is not None else "unknown")
+    return {"step": Path(script).name, "data": fingerprint, "train_samples": len(train_set),
+            "seed": args.seed, "global_batch": plan.global_batch, "width": args.width,
+            "dropout": args.dropout, "lr": args.lr}
+
+
+def differences(saved, current: dict, keys) -> list[str]:
+    """`seed 0 -> 1` for each setting in `keys` that differs."""
+    if not isinstance(saved, dict):
+        return ["settings (the checkpoint does not record them)"]
+    return [f"{key} {saved.get(key)!r} -> {current[key]!r}" for key in keys
+            if saved.get(key) != current[key]]
+
+
+def own_checkpoint(latest: Path, settings: dict, run) -> Path | None:
+    """The checkpoint a restarted run continues from: `latest` if this run's settings wrote it.
+    Another run's checkpoint in the same --out-dir (a finished one, say) is left alone: adopting
+    it would report that run's results under this run's flags."""
+    if not latest.is_file():
+        return None
+    differ = differences(checkpoint.load(latest).get("run"), settings, settings)
+    if differ:
+        log(run, f"not resuming from {latest}: another run wrote it ({', '.join(differ)}); "
+                 f"starting afresh")
+        return None
+    return latest
+
+
+def check_same_sample_order(saved: dict, settings: dict, path: Path) -> None:
+    """A checkpoint from the middle of an epoch records how many steps of it were trained; the
+    rest of the epoch is the rest of the same shuffled order only with the same data, seed and
+    global batch. Anything else would skip some samples and train others twice: refuse, naming
+    what differs. (At an epoch's end any setting may change: the next epoch starts afresh.)"""
+    if not saved.get("position"):
+        return
+    differ = differences(saved.get("run"), settings, SAMPLE_ORDER)
+    if differ:
+        raise UserError(f"checkpoint {path} was written in the middle of an epoch, by a run "
+                        f"with other settings ({', '.join(differ)}): continuing it would skip "
+                        f"some samples and repeat others. Resume with that run's settings, or "
+                        f"from a checkpoint written at the end of an epoch")
 
 
 def ignore_stop_signals(worker_id):
