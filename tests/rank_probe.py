@@ -17,6 +17,8 @@ Two failures on request:
   NaN, as an overflow would, so that its next loss is NaN;
 - PROBE_SIGNAL=<rank>:<step>:<name>: that rank sends itself the signal <name> (e.g. SIGTERM)
   after its <step>-th optimizer step, in the first attempt only, as SLURM's would arrive;
+- PROBE_RAISE=<rank>:<step>: that rank raises a RuntimeError (an exception no step expects, as
+  a bug would) after its <step>-th optimizer step;
 - PROBE_KILL_SAVE=<rank>:<n>: that rank SIGKILLs itself while it writes its shards of the n-th
   DCP checkpoint (step 08), in the first attempt only.
 """
@@ -42,6 +44,7 @@ kill_rank, _, kill_step = os.environ.get("PROBE_KILL", "-1:0").partition(":")
 nan_rank, _, nan_step = os.environ.get("PROBE_NAN", "-1:0").partition(":")
 stall_rank, _, stall_step = os.environ.get("PROBE_STALL", "-1").partition(":")
 signal_rank, signal_step, signal_name = os.environ.get("PROBE_SIGNAL", "-1:0:SIGTERM").split(":")
+raise_rank, _, raise_step = os.environ.get("PROBE_RAISE", "-1:0").partition(":")
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
@@ -51,6 +54,8 @@ def after_optimizer_step(optimizer, args, kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     if first_attempt and rank == signal_rank and seen["steps"] == int(signal_step):
         os.kill(os.getpid(), getattr(signal, signal_name))
+    if rank == raise_rank and seen["steps"] == int(raise_step):
+        raise RuntimeError("planted by tests/rank_probe.py")
     if rank == stall_rank and seen["steps"] >= int(stall_step or 1):
         time.sleep(3600)
     if rank == nan_rank and seen["steps"] == int(nan_step):

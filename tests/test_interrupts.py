@@ -177,3 +177,15 @@ def test_any_signal_torchrun_forwards_is_a_stop_request(tmp_path):
     assert "(SIGUSR2): checkpoint saved" in output, output[-3000:]
     assert "SIGKILL" not in output and "error:" not in output, output[-3000:]
     assert checkpoint.load(tmp_path / "checkpoint.pt")["position"]["step"] > 0
+
+
+def test_an_unexpected_exception_ends_the_process_with_its_message_and_its_workers(tmp_path):
+    """An exception no step expects (a bug; on a GPU, an out-of-memory error) used to leave
+    the process waiting for its workers forever at exit."""
+    proc = python_step(tmp_path, PROBE_RAISE="0:12")
+    wait_for(tmp_path / "checkpoint.pt", proc)
+    workers = descendants(proc.pid)
+    output = finish(proc)
+    assert proc.returncode == 1, output[-3000:]
+    assert "RuntimeError: planted by tests/rank_probe.py" in output, output[-3000:]
+    assert alive(workers) == []
