@@ -228,14 +228,14 @@ def explain_collective_failure(err: RuntimeError) -> str | None:
     failed = "; ".join(failed_peers())
     if "timed out" in message.lower() or "timeout" in message.lower():
         if failed:
-            return f"a collective timed out ({detail}) because {failed}"
+            return f"a collective timed out because {failed}"
         return (f"a collective timed out ({detail}): another rank stalled or died without "
                 f"closing its connections; check the other ranks' output, or raise --timeout "
                 f"if some ranks legitimately take longer (e.g. a slow first step)")
     if any(marker in message for marker in ("Connection reset", "Connection closed",
                                             "Connection refused", "Broken pipe")):
         if failed:
-            return f"lost contact with a peer during a collective ({detail}) because {failed}"
+            return f"lost contact with a peer during a collective because {failed}"
         return (f"lost contact with a peer during a collective ({detail}): another rank "
                 f"crashed or was killed; its own output says why")
     return None

@@ -43,7 +43,7 @@ def test_a_full_disk_during_a_save_is_one_line_keeps_the_last_checkpoint_and_end
     assert proc.returncode != 0
     assert_no_traceback(proc)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    disk_full = [line for line in errors if "could not write checkpoint" in line]
+    disk_full = [line for line in errors if line.startswith("error: could not write checkpoint")]
     assert len(disk_full) == 1, proc.stderr[-3000:]
     assert "inline_container.cc" in disk_full[0] and "disk full?" in disk_full[0]
     assert "the previous checkpoint is unchanged" in disk_full[0]
