@@ -149,7 +149,8 @@ def run_main(main) -> None:
     except BaseException as err:  # noqa: BLE001 -- sorted below; the rest is re-raised
         signals_end_the_process()  # from here on, a second Ctrl-C or SIGTERM ends it at once
         code = exit_code(err)
-        torn_down_cleanly = code == 2
+        # Bad input or a deliberate exit (argparse's, step 07's stop): the group is intact.
+        torn_down_cleanly = code == 2 or isinstance(err, SystemExit)
         if code is None:
             raise
     finally:
@@ -163,6 +164,8 @@ def run_main(main) -> None:
 
 def exit_code(err: BaseException) -> int | None:
     """Print one line for a failure we can explain and return its exit code; None otherwise."""
+    if isinstance(err, SystemExit):  # argparse's (it printed its line), step 07's stop, ...
+        return None
     if isinstance(err, UserError):
         message = str(err)
         if "DataLoader worker" in message:  # re-raised with the worker's traceback
