@@ -137,8 +137,8 @@ def run_main(main) -> None:
     - A collective that failed because a peer died or stalled (gloo raises; see
       explain_collective_failure): exit 3, printed by the rank that noticed.
     - Anything else is a bug: its traceback, exit 1.
-    Whatever happened, this process's own children (DataLoader workers) end with it: step 07's
-    workers ignore SIGTERM, and Python's exit would wait for them forever.
+    Whatever ended main() early, this process's own children (DataLoader workers) end with it:
+    step 07's workers ignore SIGTERM, and Python's exit would wait for them forever.
     If main() failed before its own `dist.destroy_process_group()`, the group is torn down
     here, after its objects are gone: destroying a gloo group that a DDP model still holds
     has been seen to abort the process.
@@ -148,13 +148,13 @@ def run_main(main) -> None:
         main()
     except BaseException as err:  # noqa: BLE001 -- sorted below; the rest is re-raised
         signals_end_the_process()  # from here on, a second Ctrl-C or SIGTERM ends it at once
+        end_child_processes()
         code = exit_code(err)
         # Bad input or a deliberate exit (argparse's, step 07's stop): the group is intact.
         torn_down_cleanly = code == 2 or isinstance(err, SystemExit)
         if code is None:
             raise
     finally:
-        end_child_processes()
         gc.collect()
         if dist.is_initialized() and torn_down_cleanly:  # a broken group cannot be torn down
             dist.destroy_process_group()
