@@ -9,7 +9,6 @@ profiling.py. common.py imports from plumbing/, never the other way round.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import random
@@ -20,10 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from plumbing.errors import UserError, run_main  # noqa: F401 -- the steps call common.run_main
-from plumbing.ranks import all_ranks_agree, log  # noqa: F401 -- the steps call common.log
+from plumbing.ranks import all_ranks_agree, join_group, log  # noqa: F401 -- steps call log
 
 
 # ---------------------------------------------------------------- who and where
@@ -116,9 +114,9 @@ def setup_distributed(args) -> Run:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if device.type == "cuda" else None)
+    # init_process_group, plus a check-in that names the ranks that never came (see ranks.py)
+    join_group(backend, rank, world_size, args.timeout,
+               device_id=device if device.type == "cuda" else None)
     return Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
 
 

@@ -29,8 +29,13 @@ PHASES = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
 
 
 def load_events(trace: Path) -> list[dict]:
-    return [e for e in json.loads(trace.read_text())["traceEvents"]
-            if e.get("ph") == "X" and "dur" in e]
+    """The complete events ("X") of a trace; a file that is not a trace is named in the error."""
+    try:
+        return [e for e in json.loads(trace.read_text())["traceEvents"]
+                if e.get("ph") == "X" and "dur" in e]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # empty, cut short, other
+        raise ValueError(f"{trace} is not a profiler trace ({type(err).__name__}: "
+                         f"{str(err)[:80] or 'empty'})") from None
 
 
 def host_steps(events: list[dict]) -> list[dict]:
@@ -96,7 +101,8 @@ def least_disturbed(traces: list[Path]) -> list[dict]:
     durations = [[s["dur"] for s in host_steps(events)] for events in ranks]
     recorded = min(len(d) for d in durations)
     if recorded == 0:
-        raise ValueError(f"no ProfilerStep in {traces[0].parent}: was it written by --profile?")
+        empty = traces[min(range(len(traces)), key=lambda r: len(durations[r]))]
+        raise ValueError(f"no ProfilerStep in {empty}: was it written by --profile?")
     best = min(range(recorded), key=lambda i: max(d[i] for d in durations))
     return [step_phases(events, best) for events in ranks]
 

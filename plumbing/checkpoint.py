@@ -8,12 +8,15 @@ rank's random state.
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
+import socket
 from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .ranks import log
 
 REQUIRED = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int}
@@ -23,7 +26,10 @@ def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
     """Write `path` atomically: a temporary file, fsync, then a rename over the old one.
 
     A crash or a full disk mid-write leaves the previous checkpoint as it was: the rename is
-    atomic on POSIX, and a failed write removes its temporary file.
+    atomic on POSIX, and a failed write removes its temporary file. (A full disk inside
+    torch.save raises a RuntimeError "[enforce fail at inline_container.cc...]", not an
+    OSError.) A temporary file left by a process killed mid-save (SIGKILL runs no cleanup) is
+    removed by the next save on that machine.
     """
     # (Step 08 passes the state dicts themselves: it gathers them from every rank's shards.)
     state = {"model": model if isinstance(model, dict) else model.state_dict(),
@@ -32,7 +38,8 @@ def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
     if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
         raise UserError(f"the weights became NaN or infinite; not saving them over {path}. "
                         f"Try a lower --lr")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    remove_dead_temporaries(path)
+    tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -44,11 +51,47 @@ def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
             os.fsync(dir_fd)  # make the rename itself durable
         finally:
             os.close(dir_fd)
-    except OSError as err:
-        raise UserError(f"could not write checkpoint {path}: {err.strerror or err}; the "
+    except (OSError, RuntimeError) as err:
+        raise UserError(f"could not write checkpoint {path}: {write_failure(err, path)}; the "
                         f"previous checkpoint is unchanged") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def temporary_name(path: Path) -> Path:
+    """`.<name>.<host>.<pid>.tmp` beside `path`: two writers (two runs, or two nodes on a shared
+    filesystem) never write into the same temporary file."""
+    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
+def remove_dead_temporaries(path: Path) -> None:
+    """Remove the temporary files of `path` that processes of this machine, now dead, left."""
+    for tmp in path.parent.glob(f".{path.name}.{socket.gethostname()}.*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not process_exists(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def write_failure(err: BaseException, path: Path) -> str:
+    """Why a write failed, in words: OSError's strerror, or for torch's RuntimeError its first
+    line and the free space left."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    try:
+        free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there: disk full?"
+    except OSError:
+        free = ""
+    return f"{first_line(err)}{free}"
 
 
 def load(path: Path) -> dict:
@@ -63,7 +106,7 @@ def load(path: Path) -> dict:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 -- truncated zip, pickle error, ...
         raise UserError(f"checkpoint {path} is corrupt or not a checkpoint "
-                        f"({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
+                        f"({type(err).__name__}: {first_line(err, 120)})") from None
     if not isinstance(checkpoint, dict):
         raise UserError(f"checkpoint {path} holds a {type(checkpoint).__name__}, not a "
                         f"checkpoint of this tutorial")
@@ -71,6 +114,7 @@ def load(path: Path) -> dict:
         if not isinstance(checkpoint.get(key), kind):
             raise UserError(f"checkpoint {path} is not one of this tutorial's: its {key!r} is "
                             f"{type(checkpoint.get(key)).__name__}, expected {kind.__name__}")
+    check_position_and_rng(checkpoint, path)
     weights = checkpoint["model"]
     if not all(torch.is_tensor(t) for t in weights.values()):
         raise UserError(f"checkpoint {path} is not one of this tutorial's: its model holds "
@@ -79,6 +123,25 @@ def load(path: Path) -> dict:
         raise UserError(f"checkpoint {path} holds NaN or infinite weights; resume from an "
                         f"earlier one")
     return checkpoint
+
+
+def check_position_and_rng(checkpoint: dict, path: Path) -> None:
+    """Step 07's additions, when present: the position in an epoch (whole numbers of steps and
+    samples, a finite loss sum) and one random state per rank (a CPU byte tensor each)."""
+    position, rng = checkpoint.get("position"), checkpoint.get("rng")
+    counts = (position.get("step"), position.get("samples")) if isinstance(position, dict) else ()
+    if position is not None and not (
+            counts and all(type(n) is int and n >= 0 for n in counts)
+            and type(position.get("loss_sum")) in (int, float)
+            and math.isfinite(position["loss_sum"])):
+        raise UserError(f"checkpoint {path} is not one of this tutorial's: its 'position' is "
+                        f"{position!r:.80}, expected whole numbers of steps and samples and a "
+                        f"loss sum")
+    if rng is not None and not (isinstance(rng, list) and all(
+            isinstance(state, dict) and torch.is_tensor(state.get("cpu"))
+            and state["cpu"].dtype == torch.uint8 for state in rng)):
+        raise UserError(f"checkpoint {path} is not one of this tutorial's: its 'rng' is not a "
+                        f"list of random states")
 
 
 def restore(path: Path, run, model, optimizer, scheduler) -> dict:
@@ -91,6 +154,6 @@ def restore(path: Path, run, model, optimizer, scheduler) -> dict:
         scheduler.load_state_dict(checkpoint["scheduler"])
     except (KeyError, RuntimeError, ValueError, TypeError) as err:
         raise UserError(f"checkpoint {path} does not fit this model/optimizer "
-                        f"({str(err).splitlines()[0][:160]})") from None
+                        f"({first_line(err)})") from None
     log(run, f"resumed from {path} after epoch {checkpoint['epoch']}")
     return checkpoint

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .ranks import all_ranks_agree
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # pixel statistics of the MNIST training set
@@ -151,7 +151,7 @@ def read_mnist(data_dir: Path) -> tuple[Digits, Digits]:
         train = MNIST(data_dir, train=True, download=False)
         test = MNIST(data_dir, train=False, download=False)
     except Exception as err:  # noqa: BLE001 -- torchvision raises many kinds for bad files
-        raise UserError(f"could not read MNIST in {raw} ({str(err).splitlines()[0][:120]}); "
+        raise UserError(f"could not read MNIST in {raw} ({first_line(err, 120)}); "
                         f"delete the folder to download it again") from None
     check_digits(train.data, train.targets, f"MNIST's training files in {raw}")
     check_digits(test.data, test.targets, f"MNIST's test files in {raw}")

@@ -1,19 +1,83 @@
-"""Errors a user can act on: one line and a non-zero exit, never a traceback.
+"""Errors a user can act on: one line and a non-zero exit, never a traceback, never a hang.
 
 Step 00 first needs it (every step ends with `common.run_main(main)`, which is this run_main).
 """
 
 from __future__ import annotations
 
+import datetime
 import gc
+import hashlib
+import multiprocessing
 import os
+import signal
+import socket
 import sys
+import tempfile
+import time
 
 import torch.distributed as dist
+
+# The signals a launcher sends to end a job: SLURM sends SIGTERM before it preempts a job or at
+# the time limit (and USR1/USR2 with --signal), torchrun forwards SIGTERM, SIGINT, SIGHUP and
+# SIGQUIT by default, any of them with --signals-to-handle. Step 07 turns all but SIGINT into a
+# checkpoint and a stop (step07_fault_tolerance.StopRequest); SIGINT (Ctrl-C) ends a run at once.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class UserError(Exception):
     """A problem with the input that one line can explain (missing data, a bad file, ...)."""
+
+
+class Interrupted(BaseException):
+    """A signal that ends the process now, without a checkpoint (like KeyboardInterrupt, not an
+    Exception: no `except Exception` on the way may swallow it)."""
+
+    def __init__(self, signum: int, why: str):
+        super().__init__(why)
+        self.signum = signum
+
+
+class PeerFailure(Exception):
+    """Another rank failed or never came: one line, exit 3, printed by the rank that waited."""
+
+
+# The process group's key-value store, once this rank joined (ranks.join_group): a rank that
+# fails leaves its message there, and a rank that then loses it can say who failed and why.
+_group_store = None
+STORE_PREFIX = "ddp-tutorial"
+
+
+def remember_store(store) -> None:
+    global _group_store
+    _group_store = store
+
+
+def leave_message(message: str) -> None:
+    """Leave this rank's error in the group's store, for the ranks that will wait for it."""
+    if _group_store is None:
+        return
+    try:
+        _group_store.set(f"{STORE_PREFIX}/failed/{launcher_rank()}",
+                         f"{message} (on {socket.gethostname()})")
+    except Exception:  # noqa: BLE001 -- the store died with its host: nothing to leave
+        pass
+
+
+def failed_peers() -> list[str]:
+    """`rank R: <its error>` for each other rank that left one in the store (see leave_message)."""
+    if _group_store is None:
+        return []
+    found = []
+    try:
+        _group_store.set_timeout(datetime.timedelta(seconds=5))
+        for rank in range(launcher_world_size()):
+            key = f"{STORE_PREFIX}/failed/{rank}"
+            if rank != launcher_rank() and _group_store.check([key]):
+                found.append(f"rank {rank}: {_group_store.get(key).decode()}")
+    except Exception:  # noqa: BLE001 -- the store's host (rank 0 or the agent) is gone
+        pass
+    return found
 
 
 def launcher_rank() -> int:
@@ -21,41 +85,137 @@ def launcher_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
+def launcher_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1")))
+
+
+def report(message: str) -> None:
+    """Print `error: <message>` on stderr, from whichever rank met it.
+
+    In a world of one, just the line. With several ranks, each rank prints its own error with its
+    rank and host: a path missing on node 1 only is then explained on node 1. The same message
+    from several ranks of one launch is printed once per machine (the first rank to claim it, by
+    creating a marker file in the machine's temporary folder): N ranks meeting the same bad flag
+    print one line, not N.
+    """
+    if launcher_world_size() > 1:
+        if not _first_to_say(message):
+            return
+        message = f"{message} (rank {launcher_rank()} on {socket.gethostname()})"
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _first_to_say(message: str) -> bool:
+    """True for the first process of this launch on this machine to report `message`."""
+    env = os.environ
+    launch = "|".join(env.get(name, "") for name in (
+        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID",
+        "SLURM_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT"))
+    key = hashlib.sha1(f"{launch}|{message}".encode()).hexdigest()[:20]
+    folder = os.path.join(tempfile.gettempdir(), "ddp-tutorial-errors")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for old in os.scandir(folder):  # markers of launches long gone
+            if old.stat().st_mtime < time.time() - 86400:
+                os.unlink(old.path)
+        os.close(os.open(os.path.join(folder, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass  # no marker possible: rather twice than never
+    return True
+
+
 def run_main(main) -> None:
     """Run a step's `main()`, turning the failures a user can act on into one line each.
 
-    - UserError: exit 2. Every rank meets the same bad input, so rank 0 alone prints it,
-      except for an error raised inside one rank's DataLoader worker, which only that rank sees.
+    - UserError: exit 2, printed by every rank that met it (see report()), also for an error
+      raised inside one rank's DataLoader worker.
+    - Ctrl-C (SIGINT, KeyboardInterrupt) or another signal that ends the process now
+      (Interrupted): one line, exit 128 + the signal's number (130 for SIGINT), as a shell reports
+      a process a signal killed.
     - A collective that failed because a peer died or stalled (gloo raises; see
       explain_collective_failure): exit 3, printed by the rank that noticed.
+    - Anything else is a bug: its traceback, exit 1.
+    Whatever ended main() early, this process's own children (DataLoader workers) end with it:
+    step 07's workers ignore SIGTERM, and Python's exit would wait for them forever.
     If main() failed before its own `dist.destroy_process_group()`, the group is torn down
     here, after its objects are gone: destroying a gloo group that a DDP model still holds
     has been seen to abort the process.
     """
-    code = 0
+    code, torn_down_cleanly = 0, True
     try:
         main()
-    except UserError as err:
-        message = str(err)
-        in_worker = "DataLoader worker" in message  # re-raised with the worker's traceback
-        if in_worker:
-            message = message.rsplit("UserError: ", 1)[-1].strip()
-        if in_worker or launcher_rank() == 0:
-            prefix = f"rank {launcher_rank()}: " if in_worker else ""
-            print(f"error: {prefix}{message}", file=sys.stderr, flush=True)
-        code = 2
-    except RuntimeError as err:
-        explanation = explain_collective_failure(err)
-        if explanation is None:
+    except BaseException as err:  # noqa: BLE001 -- sorted below; the rest is re-raised
+        signals_end_the_process()  # from here on, a second Ctrl-C or SIGTERM ends it at once
+        end_child_processes()
+        code = exit_code(err)
+        # Bad input or a deliberate exit (argparse's, step 07's stop): the group is intact.
+        torn_down_cleanly = code == 2 or isinstance(err, SystemExit)
+        if code is None:
             raise
-        print(f"error: rank {launcher_rank()}: {explanation}", file=sys.stderr, flush=True)
-        code = 3
     finally:
         gc.collect()
-        if dist.is_initialized() and code != 3:  # a broken group cannot be torn down cleanly
+        if dist.is_initialized() and torn_down_cleanly:  # a broken group cannot be torn down
             dist.destroy_process_group()
     if code:
         sys.exit(code)
+
+
+def exit_code(err: BaseException) -> int | None:
+    """Print one line for a failure we can explain and return its exit code; None otherwise."""
+    if isinstance(err, SystemExit):  # argparse's (it printed its line), step 07's stop, ...
+        return None
+    if isinstance(err, UserError):
+        message = str(err)
+        if "DataLoader worker" in message:  # re-raised with the worker's traceback
+            message = message.rsplit("UserError: ", 1)[-1].strip()
+        leave_message(message)
+        report(message)
+        return 2
+    if isinstance(err, (KeyboardInterrupt, Interrupted)):
+        signum = getattr(err, "signum", signal.SIGINT)
+        why = str(err) if isinstance(err, Interrupted) else "interrupted (SIGINT)"
+        leave_message(why)
+        report(f"{why}: stopped at once, without a checkpoint (the last one saved is kept)")
+        return 128 + signum
+    explanation = str(err) if isinstance(err, PeerFailure) else None
+    if isinstance(err, RuntimeError):
+        explanation = explain_collective_failure(err)
+    if explanation is not None:
+        print(f"error: rank {launcher_rank()}: {explanation}", file=sys.stderr, flush=True)
+        return 3
+    leave_message(f"{type(err).__name__}: {first_line(err)}")  # a bug: its traceback follows
+    return None
+
+
+def signals_end_the_process() -> None:
+    """Back to the default action (end the process) for Ctrl-C and the stop signals. A signal
+    already noted but not yet handled is then dropped instead of raised in the middle of the
+    error handling."""
+    for signum in (signal.SIGINT, *STOP_SIGNALS):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def end_child_processes() -> None:
+    """Kill the DataLoader workers this process still has (SIGKILL: step 07's ignore SIGTERM).
+    They hold nothing worth keeping; left alive, Python's exit joins them forever."""
+    children = multiprocessing.active_children()
+    if not children:
+        return
+    # The DataLoader's SIGCHLD handler would report their end as a crash.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=10)
+
+
+def first_line(err: BaseException, limit: int = 160) -> str:
+    """The first line of an exception's message, or its type when the message is empty
+    (torch.load of an empty file raises an EOFError without one)."""
+    lines = str(err).strip().splitlines()
+    return lines[0][:limit] if lines else type(err).__name__
 
 
 def explain_collective_failure(err: RuntimeError) -> str | None:
@@ -67,14 +227,18 @@ def explain_collective_failure(err: RuntimeError) -> str | None:
     collective operation timeout" and ends the process.)
     """
     message = str(err)
-    first_line = message.strip().splitlines()[0] if message.strip() else type(err).__name__
-    detail = first_line.split("] ", 1)[-1][:160]  # drop gloo's "[/path/to/file.cc:123]"
+    detail = first_line(err).split("] ", 1)[-1]  # drop gloo's "[/path/to/file.cc:123]"
+    failed = "; ".join(failed_peers())
     if "timed out" in message.lower() or "timeout" in message.lower():
+        if failed:
+            return f"a collective timed out because {failed}"
         return (f"a collective timed out ({detail}): another rank stalled or died without "
                 f"closing its connections; check the other ranks' output, or raise --timeout "
                 f"if some ranks legitimately take longer (e.g. a slow first step)")
     if any(marker in message for marker in ("Connection reset", "Connection closed",
                                             "Connection refused", "Broken pipe")):
+        if failed:
+            return f"lost contact with a peer during a collective because {failed}"
         return (f"lost contact with a peer during a collective ({detail}): another rank "
-                f"crashed or was killed; its own output above says why")
+                f"crashed or was killed; its own output says why")
     return None

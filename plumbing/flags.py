@@ -10,20 +10,20 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from pathlib import Path
 
-from .errors import launcher_rank
+from .errors import report
 
 SEED_LIMIT = 2**32  # numpy's legacy seeding, the narrowest of the RNGs we seed, takes 0 .. 2**32-1
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line, printed once (by rank 0), not the whole usage."""
+    """argparse, but an error is one line, not the whole usage, printed by every rank that met
+    it (once per machine: see errors.report): an --out-dir or --resume path may be missing on
+    one node only."""
 
     def error(self, message):
-        if launcher_rank() == 0:
-            print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr, flush=True)
+        report(f"{self.prog}: {message} (see --help)")
         raise SystemExit(2)
 
 
@@ -45,8 +45,10 @@ def integer(lowest: int, highest: int | None = None, what: str = ""):
     return parse
 
 
-def positive_float(what: str):
-    """An argparse type: a finite number above zero (rejects nan, inf, 0 and negatives)."""
+def positive_float(what: str, highest: float = 1e4, lowest: float | None = None):
+    """An argparse type: a finite number above zero (at least `lowest`, when given) and at most
+    `highest`. A finite number can still be absurd: --timeout 0.0001 becomes 0 ms, --lr 1e308
+    overflows the first update, --bucket-cap-mb 1e300 overflows the conversion to bytes."""
 
     def parse(text: str) -> float:
         try:
@@ -56,6 +58,10 @@ def positive_float(what: str):
         if not math.isfinite(value) or value <= 0:
             raise argparse.ArgumentTypeError(f"{text} is not allowed: {what} must be a finite "
                                              f"number above 0")
+        if value > highest or (lowest is not None and value < lowest):
+            limits = (f"above 0 and at most {highest:g}" if lowest is None
+                      else f"from {lowest:g} to {highest:g}")
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what} must be {limits}")
         return value
 
     return parse
@@ -104,7 +110,7 @@ def parser(doc: str, script: str) -> Parser:
     train.add_argument("--max-device-batch", type=integer(1, what="--max-device-batch"),
                        metavar="M", help="most samples one device takes at once; larger "
                        "per-rank batches are split into micro-batches whose gradients accumulate")
-    train.add_argument("--lr", type=positive_float("--lr"), default=0.05)
+    train.add_argument("--lr", type=positive_float("--lr", highest=10), default=0.05)
     train.add_argument("--seed", type=integer(0, SEED_LIMIT - 1, "--seed"), default=0)
     train.add_argument("--deterministic", action="store_true",
                        help="bit-for-bit repeats on GPUs too: deterministic kernels, no cuDNN "
@@ -118,7 +124,8 @@ def parser(doc: str, script: str) -> Parser:
     system = p.add_argument_group("system")
     system.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     system.add_argument("--amp", action="store_true", help="bf16 autocast on GPUs that support it")
-    system.add_argument("--timeout", type=positive_float("--timeout"), default=600,
+    system.add_argument("--timeout", default=600,
+                        type=positive_float("--timeout", lowest=1, highest=7 * 24 * 3600),
                         metavar="SECONDS", help="how long a collective waits for a peer "
                         "before failing (gloo; NCCL's watchdog then ends the process)")
     # (A string default: argparse checks it like a typed value.)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .checkpoint import temporary_name, write_failure
 from .errors import UserError
 from .flops import peak_flops, training_flops_per_sample
 from .ranks import log
@@ -252,6 +253,13 @@ class Metrics:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    """Write `path` whole or not at all: a temporary file of this process, then a rename (two
+    runs writing into one --out-dir never share a temporary file)."""
+    tmp = temporary_name(path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise UserError(f"could not write {path}: {write_failure(err, path)}") from None
+    finally:
+        tmp.unlink(missing_ok=True)

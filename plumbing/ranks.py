@@ -1,13 +1,51 @@
-"""Two small rank-aware helpers the plumbing shares with the steps (which call them through
-common.py): print once, and take the same branch on every rank.
+"""Small rank-aware helpers the plumbing shares with the steps (which call them through
+common.py): join the group, print once, and take the same branch on every rank.
 
 They live here, below common.py, so that the package never imports from the root.
 """
 
 from __future__ import annotations
 
+import datetime
+import socket
+
 import torch
 import torch.distributed as dist
+
+from .errors import STORE_PREFIX, PeerFailure, remember_store
+
+
+def join_group(backend: str, rank: int, world_size: int, timeout_s: float,
+               device_id=None) -> None:
+    """`dist.init_process_group`, with a check-in that names the ranks that never came.
+
+    The store is the one init_process_group would make from the launcher's variables (env://);
+    every rank writes "joined" into it first. When the group then does not form within the
+    timeout (a rank failed before it got here, say on a flag only its node rejects), the ranks
+    that waited say which ranks they waited for, instead of blaming a crashed peer.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore("default_pg", store)  # the prefix init_process_group would add
+    store.set(f"{STORE_PREFIX}/joined/{rank}", socket.gethostname())
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device_id)
+    except RuntimeError:
+        try:
+            missing = [r for r in range(world_size)
+                       if not store.check([f"{STORE_PREFIX}/joined/{r}"])]
+        except RuntimeError:  # the store left with node 0's agent: node 0 failed
+            raise PeerFailure("lost the group's store (hosted by node 0) before the group "
+                              "formed: node 0 failed; its own output says why") from None
+        if not missing:
+            raise
+        raise PeerFailure(f"waited {timeout_s:g} s (--timeout) for rank(s) "
+                          f"{', '.join(map(str, missing))} to join the group; they never did: "
+                          f"their own output says why (an error on their node)") from None
+    remember_store(store)
 
 
 def log(run, message: str) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .data import MNIST_MEAN, MNIST_STD, Digits, load_datasets, prefix
-from .errors import UserError
+from .errors import UserError, first_line
 from .flags import writable_dir
 from .ranks import all_ranks_agree
 
@@ -134,6 +134,6 @@ def read_rows(path: Path, f, ranges) -> tuple[np.ndarray, np.ndarray]:
             chunk = f["train/images"].chunks[0]
             raise UserError(f"{path}: chunk {a // chunk} (training rows {a // chunk * chunk}-"
                             f"{(a // chunk + 1) * chunk - 1}) cannot be read "
-                            f"({str(err).splitlines()[0][:80]}); the file is damaged: delete "
+                            f"({first_line(err, 80)}); the file is damaged: delete "
                             f"it and prepare it again") from None
     return np.concatenate(images), np.concatenate(labels).astype(np.int64)

@@ -7,17 +7,20 @@ is written here, beside the code.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from . import data
-from .errors import UserError
+from . import checkpoint, data
+from .errors import STOP_SIGNALS, Interrupted, UserError
+from .ranks import log
 
 EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
 
@@ -36,14 +39,33 @@ class ResumableSampler(DistributedSampler):
 
 
 class StopRequest:
-    """SIGTERM means "stop soon": SLURM sends it before it preempts a job or at the time limit,
-    and kills after KillWait (30 s by default); torchrun forwards it to its workers and kills
-    them after --shutdown-timeout (30 s). Stopping mid-step would leave nothing to save, so the
-    handler only takes note; about once a second the ranks vote, at the same step."""
+    """A stop signal means "stop soon": SLURM sends SIGTERM before it preempts a job or at the
+    time limit (USR1 or USR2 with --signal), and kills after KillWait (30 s by default);
+    torchrun forwards SIGTERM, SIGHUP and SIGQUIT (and those of --signals-to-handle) to its
+    workers and kills them after --shutdown-timeout (30 s). Stopping mid-step would leave nothing
+    to save, so the handler only takes note; about once a second the ranks vote, at the same step.
+
+    A request that cannot become a checkpoint ends the process at once (errors.Interrupted, exit
+    128 + the signal's number): one before the first vote (no step trained yet: nothing to save),
+    and a second one (whoever sends it twice means now). Ctrl-C (SIGINT) always ends at once."""
 
     def __init__(self):
-        self.requested, self.steps, self.next_vote, self.started = False, 0, 1, time.monotonic()
-        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "requested", True))
+        self.requested = None  # the name of the signal that asked this rank to stop
+        self.steps, self.next_vote, self.started = 0, 1, time.monotonic()
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested:
+            raise Interrupted(signum, f"a second stop signal ({name} after {self.requested})")
+        if not self.steps:
+            raise Interrupted(signum, f"{name} before the first training step")
+        self.requested = name
+
+    @property
+    def reason(self) -> str:
+        return self.requested or "a stop signal to another rank"
 
     def agreed(self, run) -> bool:
         """Call after every step on every rank: True on all ranks if any rank was asked."""
@@ -51,7 +73,7 @@ class StopRequest:
         if self.steps < self.next_vote:
             return False
         pace = self.steps / (time.monotonic() - self.started)  # steps per second so far
-        votes = torch.tensor([float(self.requested), pace], device=run.device)
+        votes = torch.tensor([float(self.requested is not None), pace], device=run.device)
         dist.all_reduce(votes)  # any request stops all; the mean pace times the next vote
         self.next_vote = self.steps + max(1, int(votes[1] / run.world_size))  # in ~1 s
         return bool(votes[0] > 0)
@@ -71,11 +93,71 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def ignore_sigterm(worker_id):
-    """DataLoader workers get SLURM's SIGTERM too, and one dying of it would fail its rank
-    before the rank can save: they ignore it, and end when their rank does."""
+# The settings that decide which samples the rest of an epoch trains, and in which order.
+SAMPLE_ORDER = ("step", "data", "train_samples", "seed", "global_batch")
+
+
+def run_settings(script: str, args, plan, train_set) -> dict:
+    """What makes a run the same run, recorded in every checkpoint: the step, the data (its
+    labels' fingerprint: MNIST and the synthetic digits differ) and its size, the seed, the
+    global batch, the model's shape and the learning rate. (Not the world size: with the same
+    global batch, any world size trains the same samples in the same steps.)"""
+    labels = getattr(train_set, "labels", None)
+    fingerprint = (hashlib.sha1(labels.numpy().tobytes()).hexdigest()[:16]
+                   if labels is not None else "unknown")
+    return {"step": Path(script).name, "data": fingerprint, "train_samples": len(train_set),
+            "seed": args.seed, "global_batch": plan.global_batch, "width": args.width,
+            "dropout": args.dropout, "lr": args.lr}
+
+
+def differences(saved, current: dict, keys) -> list[str]:
+    """`seed 0 -> 1` for each setting in `keys` that differs."""
+    if not isinstance(saved, dict):
+        return ["settings (the checkpoint does not record them)"]
+    return [f"{key} {saved.get(key)!r} -> {current[key]!r}" for key in keys
+            if saved.get(key) != current[key]]
+
+
+def own_checkpoint(latest: Path, settings: dict, run) -> Path | None:
+    """The checkpoint a restarted run continues from: `latest` if this run's settings wrote it.
+    Another run's checkpoint in the same --out-dir (a finished one, say) is left alone: adopting
+    it would report that run's results under this run's flags."""
+    if not latest.is_file():
+        return None
+    differ = differences(checkpoint.load(latest).get("run"), settings, settings)
+    if differ:
+        log(run, f"not resuming from {latest}: another run wrote it ({', '.join(differ)}); "
+                 f"starting afresh")
+        return None
+    return latest
+
+
+def check_same_sample_order(saved: dict, settings: dict, path: Path) -> None:
+    """A checkpoint from the middle of an epoch records how many steps of it were trained; the
+    rest of the epoch is the rest of the same shuffled order only with the same data, seed and
+    global batch. Anything else would skip some samples and train others twice: refuse, naming
+    what differs. (At an epoch's end any setting may change: the next epoch starts afresh.)"""
+    if not saved.get("position"):
+        return
+    differ = differences(saved.get("run"), settings, SAMPLE_ORDER)
+    if differ:
+        raise UserError(f"checkpoint {path} was written in the middle of an epoch, by a run "
+                        f"with other settings ({', '.join(differ)}): continuing it would skip "
+                        f"some samples and repeat others. Resume with that run's settings, or "
+                        f"from a checkpoint written at the end of an epoch")
+
+
+def ignore_stop_signals(worker_id):
+    """DataLoader workers get SLURM's SIGTERM (and a terminal's Ctrl-C) too, and one dying of it
+    would fail its rank before the rank can save: they ignore the stop signals and SIGINT, and
+    end with their rank (errors.run_main kills them; a rank killed outright leaves workers that
+    notice within seconds and exit)."""
     data.seed_worker(worker_id)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGINT, *STOP_SIGNALS):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+ignore_sigterm = ignore_stop_signals  # the name step 08 still uses
 
 
 def restarted() -> bool:

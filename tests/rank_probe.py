@@ -10,10 +10,15 @@ optimizer, and the training set's batch fetch is wrapped to note the indices it 
 Two failures on request:
 - PROBE_KILL=<rank>:<step>: that rank SIGKILLs itself after its <step>-th optimizer step, in the
   first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a crashed node would;
-- PROBE_STALL=<rank>: that rank stops answering after its first step (sleeps an hour), as a rank
-  stuck in I/O or a deadlock would; the others wait in their next all-reduce until --timeout;
+- PROBE_STALL=<rank>[:<step>]: that rank stops answering after its first step (or its <step>-th)
+  (sleeps an hour), as a rank stuck in I/O or a deadlock would; the others wait in their next
+  all-reduce until --timeout;
 - PROBE_NAN=<rank>:<step>: after its <step>-th optimizer step that rank sets its first weight to
   NaN, as an overflow would, so that its next loss is NaN;
+- PROBE_SIGNAL=<rank>:<step>:<name>: that rank sends itself the signal <name> (e.g. SIGTERM)
+  after its <step>-th optimizer step, in the first attempt only, as SLURM's would arrive;
+- PROBE_RAISE=<rank>:<step>: that rank raises a RuntimeError (an exception no step expects, as
+  a bug would) after its <step>-th optimizer step;
 - PROBE_KILL_SAVE=<rank>:<n>: that rank SIGKILLs itself while it writes its shards of the n-th
   DCP checkpoint (step 08), in the first attempt only.
 """
@@ -37,6 +42,9 @@ fetched = defaultdict(list)
 rank = os.environ.get("RANK", "0")
 kill_rank, _, kill_step = os.environ.get("PROBE_KILL", "-1:0").partition(":")
 nan_rank, _, nan_step = os.environ.get("PROBE_NAN", "-1:0").partition(":")
+stall_rank, _, stall_step = os.environ.get("PROBE_STALL", "-1").partition(":")
+signal_rank, signal_step, signal_name = os.environ.get("PROBE_SIGNAL", "-1:0:SIGTERM").split(":")
+raise_rank, _, raise_step = os.environ.get("PROBE_RAISE", "-1:0").partition(":")
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
@@ -44,7 +52,11 @@ def after_optimizer_step(optimizer, args, kwargs):
     seen.update(opt=optimizer, steps=seen["steps"] + 1)
     if first_attempt and rank == kill_rank and seen["steps"] == int(kill_step):
         os.kill(os.getpid(), signal.SIGKILL)
-    if rank == os.environ.get("PROBE_STALL"):
+    if first_attempt and rank == signal_rank and seen["steps"] == int(signal_step):
+        os.kill(os.getpid(), getattr(signal, signal_name))
+    if rank == raise_rank and seen["steps"] == int(raise_step):
+        raise RuntimeError("planted by tests/rank_probe.py")
+    if rank == stall_rank and seen["steps"] >= int(stall_step or 1):
         time.sleep(3600)
     if rank == nan_rank and seen["steps"] == int(nan_step):
         with torch.no_grad():

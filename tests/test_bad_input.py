@@ -149,6 +149,11 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("09", ["--checkpoint-every", "1.5"], "not a whole number"),
     ("09", ["import"], "invalid choice: 'import'"),
     ("01", ["--max-mb", "0"], "--max-mb must be from 1 to 4096"),
+    # Finite but absurd (issue 27): 0 ms once truncated, overflows.
+    ("00", ["--timeout", "0.0001"], "--timeout must be from 1 to 604800"),
+    ("03", ["--timeout", "1e300"], "--timeout must be from 1 to 604800"),
+    ("00", ["--lr", "1e308"], "--lr must be above 0 and at most 10"),
+    ("07", ["--bucket-cap-mb", "1e300"], "--bucket-cap-mb must be above 0 and at most 10000"),
 ]
 
 

@@ -5,11 +5,15 @@ machines would (with c10d the agents number the nodes themselves; no --node-rank
 tests (test_slurm.py) run the same step across two slurmd nodes.
 """
 
+import re
 import socket
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
-from conftest import REPO, base_env, max_difference, rank_params, read_summary, run_step
+from conftest import (REPO, assert_no_traceback, base_env, max_difference, rank_params,
+                      read_summary, run_step)
 
 ARGS = ["--no-compile", "--data", "mnist", "--train-samples", 480, "--test-samples", 100,
         "--batch-size", 48, "--epochs", 1]
@@ -93,3 +97,42 @@ def test_a_rank_killed_on_one_of_two_agents_restarts_both_and_ends_exactly(mnist
         assert max_difference(rank_params(out / "probe", rank),
                               rank_params(reference / "probe", rank)) == 0.0
     assert read_summary(out)["test_correct"] == read_summary(reference)["test_correct"]
+
+
+def test_an_error_only_one_node_has_is_printed_there_and_the_other_names_it(mnist_root,
+                                                                             tmp_path):
+    """Issue 27 item 5: a --resume path that exists on one node only (here: each agent is given
+    its own path, as two machines' disks would differ). The node that cannot find it says so,
+    with its rank and host; the other one waits --timeout (5 s) for it and says which rank it
+    waited for, instead of blaming a crashed peer."""
+    good = tmp_path / "ok.pt"
+    good.write_bytes(b"")  # exists: the flag check passes; never read, as the group never forms
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def agent(resume):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "one_node_error",
+               "--rdzv-endpoint", endpoint, "05_multinode.py", *map(str, ARGS), "--timeout", 5,
+               "--data-dir", mnist_root, "--out-dir", tmp_path / "out", "--resume", resume]
+        return subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=base_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    # Node 0 first: the first agent hosts the rendezvous and, with the lower pid, becomes node 0,
+    # whose agent hosts the workers' store. (Were node 0 the failing one, its agent would leave
+    # with that store, and torchrun would stop node 1's worker itself.)
+    nodes = [agent(good)]
+    host, port = endpoint.split(":")
+    while socket.socket().connect_ex((host, int(port))) != 0:
+        assert nodes[0].poll() is None, nodes[0].communicate()[0]
+        time.sleep(0.05)
+    nodes.append(agent(tmp_path / "only_on_the_other_node.pt"))
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [1, 1], "\n---\n".join(outputs)
+    waited, failed = ([line for line in output.splitlines() if line.startswith("error:")]
+                      for output in outputs)
+    assert len(failed) == 1 and "only_on_the_other_node.pt does not exist" in failed[0], outputs[1]
+    rank = re.search(r"\(rank (\d) on \S+\)$", failed[0]).group(1)
+    assert len(waited) == 1, outputs[0]
+    assert f"waited 5 s (--timeout) for rank(s) {rank} to join" in waited[0], waited[0]
+    for output in outputs:  # (torchrun's own ChildFailedError traceback is allowed)
+        assert_no_traceback(SimpleNamespace(stdout=output, stderr=""))

@@ -1,0 +1,191 @@
+"""Issue 27, items 2 and 7: nothing hangs on a signal. Real signals to real processes of step 07
+with a DataLoader worker (the case that hung: its workers ignore SIGTERM, and Python's exit
+joined them forever).
+
+- Ctrl-C (SIGINT) to the main process only (`kill -INT`, an IDE's stop button): exit 130 in
+  seconds, one line, no traceback, no worker left; under torchrun too.
+- A stop signal before the first step, or a second one: the process ends at once (128 + signal).
+- Every signal torchrun can forward (--signals-to-handle) that is not SIGINT is a stop request:
+  a checkpoint, then exit 75.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from plumbing import checkpoint
+from conftest import REPO, base_env, torchrun_cmd
+
+# 80 steps of 12 (a long epoch at this machine's pace), a checkpoint every 4, one worker per rank.
+ARGS = ["--data", "synthetic", "--train-samples", 960, "--test-samples", 20, "--batch-size", 12,
+        "--epochs", 1, "--checkpoint-every", 4, "--num-workers", 1, "--quiet", "--timeout", 30]
+STEP = "07_fault_tolerance.py"
+GUARD_S = 120  # a hang guard, not a speed bound: a hang is what these tests look for
+
+
+def start(cmd, out_dir, **env):
+    """Start `cmd` with its output in a file (a pipe nobody reads could block it)."""
+    log = open(out_dir / "output.txt", "w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(**env), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    proc.log = log
+    return proc
+
+
+def wait_for(path, proc, timeout=GUARD_S):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"exited {proc.returncode} early:\n{read(proc)}"
+        assert time.monotonic() < deadline, f"{path} never appeared:\n{read(proc)}"
+        time.sleep(0.05)
+
+
+def read(proc) -> str:
+    proc.log.seek(0)
+    return proc.log.read()
+
+
+def finish(proc) -> str:
+    try:
+        proc.wait(timeout=GUARD_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"still running {GUARD_S} s after the signal:\n{read(proc)}")
+    return read(proc)
+
+
+def descendants(pid) -> list[int]:
+    """Every process below `pid` (its DataLoader workers; under torchrun the ranks and theirs)."""
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                              text=True).stdout.split()
+    return [int(c) for child in children for c in (child, *descendants(child))]
+
+
+def alive(pids) -> list[int]:
+    """Those still running (a zombie waiting to be reaped has ended)."""
+    running = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    running.append(pid)
+        except FileNotFoundError:
+            pass
+    return running
+
+
+def one_error_line(output, *fragments):
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, output[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def python_step(tmp_path, **env):
+    """Step 07 as plain python under tests/rank_probe.py, with one DataLoader worker."""
+    cmd = [sys.executable, REPO / "tests" / "rank_probe.py", STEP, *map(str, ARGS),
+           "--out-dir", str(tmp_path)]
+    return start(cmd, tmp_path, PROBE_DIR=tmp_path, **env)
+
+
+def test_ctrl_c_to_the_main_process_ends_the_run_and_its_workers(tmp_path):
+    proc = python_step(tmp_path)
+    wait_for(tmp_path / "checkpoint.pt", proc)  # training, with its worker running
+    workers = descendants(proc.pid)
+    assert workers, "no DataLoader worker to test with"
+    proc.send_signal(signal.SIGINT)  # to the main process alone, as `kill -INT` does
+    output = finish(proc)
+    assert proc.returncode == 130, output[-3000:]
+    one_error_line(output, "interrupted (SIGINT)", "without a checkpoint")
+    assert "Traceback" not in output, output[-3000:]
+    assert alive(workers) == []
+    checkpoint.load(tmp_path / "checkpoint.pt")  # the last one saved is whole
+
+
+def test_a_second_sigterm_ends_the_process_at_once(tmp_path):
+    """The first SIGTERM is a stop request, taken at the next vote; this rank never gets there
+    (it stalls in step 5, as a rank stuck in I/O would), so the second one must end it."""
+    proc = python_step(tmp_path, PROBE_STALL="0:5")
+    wait_for(tmp_path / "checkpoint.pt", proc)  # after step 4; the stall follows in step 5
+    workers = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    assert proc.poll() is None, read(proc)  # the first one only took note
+    proc.send_signal(signal.SIGTERM)
+    output = finish(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    one_error_line(output, "a second stop signal (SIGTERM after SIGTERM)")
+    assert "Traceback" not in output, output[-3000:]
+    assert alive(workers) == []
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["position"]["step"] == 4
+
+
+def test_a_stop_signal_before_the_first_step_ends_the_process_at_once(tmp_path):
+    """No step trained yet: nothing to save, so no reason to wait (the rank stalls in its first
+    step here, before the first vote could take the request)."""
+    proc = python_step(tmp_path, PROBE_STALL="0:1")
+    deadline = time.monotonic() + GUARD_S
+    while "device=cpu" not in read(proc) or not descendants(proc.pid):  # setup done, training
+        assert proc.poll() is None and time.monotonic() < deadline, read(proc)
+        time.sleep(0.05)
+    time.sleep(1)
+    proc.send_signal(signal.SIGHUP)
+    output = finish(proc)
+    assert proc.returncode == 128 + signal.SIGHUP, output[-3000:]
+    one_error_line(output, "SIGHUP before the first training step")
+    assert "Traceback" not in output, output[-3000:]
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_ctrl_c_to_one_rank_under_torchrun_ends_every_rank_in_seconds(tmp_path):
+    """kill -INT to rank 1's process only: rank 1 exits 130; torchrun then stops rank 0 (which
+    notices its lost peer), before its --shutdown-timeout would SIGKILL anyone."""
+    cmd = torchrun_cmd(2, STEP, *ARGS, "--out-dir", tmp_path)
+    agent = start(cmd, tmp_path)
+    wait_for(tmp_path / "checkpoint.pt", agent)
+    everyone = descendants(agent.pid)
+    ranks = subprocess.run(["ps", "-o", "pid=", "--ppid", str(agent.pid)], capture_output=True,
+                           text=True).stdout.split()
+    rank1 = next(int(pid) for pid in ranks
+                 if b"RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read())
+    os.kill(rank1, signal.SIGINT)
+    output = finish(agent)
+    assert agent.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert any("interrupted (SIGINT)" in line and "(rank 1 on " in line for line in errors), \
+        output[-3000:]
+    assert "SIGKILL" not in output, output[-3000:]
+    assert alive(everyone) == []
+    checkpoint.load(tmp_path / "checkpoint.pt")
+
+
+def test_any_signal_torchrun_forwards_is_a_stop_request(tmp_path):
+    """torchrun --signals-to-handle SIGTERM,SIGUSR2: SIGUSR2 reaches the ranks, which agree on a
+    step, checkpoint there and exit 75; their workers ignore it (before, it killed them)."""
+    cmd = torchrun_cmd(2, STEP, *ARGS, "--out-dir", tmp_path,
+                       extra=("--signals-to-handle", "SIGTERM,SIGUSR2"))
+    agent = start(cmd, tmp_path)
+    wait_for(tmp_path / "checkpoint.pt", agent)
+    agent.send_signal(signal.SIGUSR2)
+    output = finish(agent)
+    assert "(SIGUSR2): checkpoint saved" in output, output[-3000:]
+    assert "SIGKILL" not in output and "error:" not in output, output[-3000:]
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["position"]["step"] > 0
+
+
+def test_an_unexpected_exception_ends_the_process_with_its_message_and_its_workers(tmp_path):
+    """An exception no step expects (a bug; on a GPU, an out-of-memory error) used to leave
+    the process waiting for its workers forever at exit."""
+    proc = python_step(tmp_path, PROBE_RAISE="0:12")
+    wait_for(tmp_path / "checkpoint.pt", proc)
+    workers = descendants(proc.pid)
+    output = finish(proc)
+    assert proc.returncode == 1, output[-3000:]
+    assert "RuntimeError: planted by tests/rank_probe.py" in output, output[-3000:]
+    assert alive(workers) == []

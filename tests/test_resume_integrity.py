@@ -1,0 +1,85 @@
+"""Issue 27, item 4: a resume never silently trains the wrong samples, and a restart never adopts
+another run's checkpoint.
+
+Step 07 on 2 ranks is stopped in the middle of its epoch by a real SIGTERM; every rank's trained
+sample indices are logged (tests/rank_probe.py). Resumed on 1 rank with the same global batch,
+the two runs together train every sample of the epoch exactly once. Resumed with another batch
+or seed (which would skip and repeat samples), it is refused in one line naming what differs.
+A restart in an --out-dir holding another run's checkpoint starts afresh instead of adopting it.
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from plumbing import checkpoint
+from conftest import assert_no_traceback, run_step
+
+SAMPLES, BATCH = 480, 24  # 20 steps of 24: every sample is trained once per epoch (no remainder)
+STEP = "07_fault_tolerance.py"
+
+
+@pytest.fixture(scope="module")
+def args(mnist_root):
+    return ["--data", "mnist", "--data-dir", mnist_root, "--train-samples", SAMPLES,
+            "--test-samples", 20, "--batch-size", BATCH, "--epochs", 1, "--checkpoint-every", 0,
+            "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def stopped(args, tmp_path_factory):
+    """2 ranks; rank 0 gets SIGTERM after its second step, and all stop at the next vote."""
+    out = tmp_path_factory.mktemp("stopped")
+    proc = run_step(STEP, [*args, "--out-dir", out], nproc=2, probe_dir=out / "probe",
+                    env_extra={"PROBE_SIGNAL": "0:2:SIGTERM"}, check=False)
+    assert "(SIGTERM): checkpoint saved" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    position = checkpoint.load(out / "checkpoint.pt")["position"]
+    assert 2 <= position["step"] < SAMPLES // BATCH, position  # stopped mid-epoch
+    return out
+
+
+def trained(probe_dir, rank) -> list[int]:
+    """The training-set indices that rank fetched (= trained on: no loader workers, no
+    prefetch, on the CPU)."""
+    fetched = torch.load(probe_dir / f"rank{rank}.pt", weights_only=True)["indices"]
+    return [i for batch in fetched.get(SAMPLES, []) for i in batch]
+
+
+def test_a_mid_epoch_resume_on_another_world_size_trains_every_sample_once(stopped, args,
+                                                                            tmp_path):
+    proc = run_step(STEP, [*args, "--resume", stopped / "checkpoint.pt", "--out-dir", tmp_path],
+                    probe_dir=tmp_path / "probe")
+    step = checkpoint.load(stopped / "checkpoint.pt")["position"]["step"]
+    assert f"resumed at step {step} of epoch 1" in proc.stdout
+    before = trained(stopped / "probe", 0) + trained(stopped / "probe", 1)
+    after = trained(tmp_path / "probe", 0)
+    assert len(before) == step * BATCH
+    assert sorted(before + after) == list(range(SAMPLES))  # each once, none lost
+
+
+def test_a_mid_epoch_resume_with_another_batch_or_seed_is_refused(stopped, args, tmp_path):
+    saved = (stopped / "checkpoint.pt").read_bytes()
+    proc = run_step(STEP, [*args, "--batch-size", 48, "--seed", 1, "--resume",
+                           stopped / "checkpoint.pt", "--out-dir", tmp_path], check=False)
+    assert proc.returncode == 2
+    assert_no_traceback(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "middle of an epoch" in errors[0] and "skip some samples" in errors[0]
+    assert "seed 0 -> 1" in errors[0] and "global_batch 24 -> 48" in errors[0], errors[0]
+    assert (stopped / "checkpoint.pt").read_bytes() == saved
+    assert not (tmp_path / "checkpoint.pt").exists() and not (tmp_path / "summary.json").exists()
+
+
+def test_a_restart_does_not_adopt_another_runs_checkpoint(stopped, args, tmp_path):
+    """A requeued job (SLURM_RESTART_COUNT=1) whose --out-dir holds a checkpoint of a run with
+    another seed and size starts afresh, and its checkpoint then records its own settings."""
+    shutil.copy(stopped / "checkpoint.pt", tmp_path / "checkpoint.pt")
+    proc = run_step(STEP, [*args, "--seed", 1, "--train-samples", 240, "--out-dir", tmp_path],
+                    env_extra={"SLURM_RESTART_COUNT": 1})
+    assert "resumed" not in proc.stdout
+    assert "another run wrote it" in proc.stdout and "seed 0 -> 1" in proc.stdout, proc.stdout
+    assert "train_samples 480 -> 240" in proc.stdout
+    mine = checkpoint.load(tmp_path / "checkpoint.pt")
+    assert mine["epoch"] == 1 and mine["run"]["seed"] == 1 and mine["run"]["train_samples"] == 240
