@@ -17,7 +17,7 @@ rank's "peak_memory_mib" (try --width 64; fc1 is 94% of this model: see the READ
 
 Read also: plumbing/step08_fsdp2.py (restore into shards, what each rank holds),
 plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
-ignore_sigterm, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
+ignore_stop_signals, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
 """
 
 import argparse
@@ -159,7 +159,7 @@ def main():
                         help="also checkpoint every K training steps (0: once per epoch only)")
     args = parser.parse_args()  # every flag is checked here
     fault_tolerance.check_restart_store()  # a restarted group must not meet at a stale store
-    stop = fault_tolerance.StopRequest()  # before the (slow) setup: SIGTERM may come any time
+    stop = fault_tolerance.StopRequest()  # before the (slow) setup: a signal may come any time
     use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
     run = common.setup_distributed(args)  # step 02's setup(), now shared
     nodes = report_topology(run)
@@ -180,7 +180,7 @@ def main():
     train_sampler = fault_tolerance.ResumableSampler(
         train_set, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=args.seed)
     train_loader = data.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
-                                    worker_init_fn=fault_tolerance.ignore_sigterm,
+                                    worker_init_fn=fault_tolerance.ignore_stop_signals,
                                     drop_last=True)  # as in 07: equal steps on every rank
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
@@ -202,14 +202,17 @@ def main():
     common.log(run, sharded.describe_shards(model))  # "each rank holds N of the M ..."
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     latest = args.out_dir / "checkpoint.pt"
+    settings = fault_tolerance.run_settings(__file__, args, plan, train_set)  # what this run is
     # Any rank restarted: all resume (an agent restarted only because another node failed
-    # does not count that restart). A fresh run starts fresh.
+    # does not count that restart), from this run's own checkpoint only: another run's, left in
+    # the same --out-dir, is not adopted. A fresh run starts fresh.
     if args.resume is None and common.all_ranks_agree(run, fault_tolerance.restarted(),
                                                            any_rank=True):
-        args.resume = latest if latest.is_file() else None
+        args.resume = fault_tolerance.own_checkpoint(latest, settings, run)
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
         saved = sharded.restore(args.resume, run, model, optimizer, scheduler)
+        fault_tolerance.check_same_sample_order(saved, settings, args.resume)  # mid-epoch
         start_epoch, position = saved["epoch"], saved.get("position") or EPOCH_START
         if "rng" in saved and len(saved["rng"]) == run.world_size and position["step"]:
             rng = saved["rng"][run.rank]  # each rank its own (their dropout masks differ)
@@ -229,7 +232,8 @@ def main():
             done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
                     "samples": position["samples"] + int(sums[1].item())}
             checkpoint.save(latest, model_state, sharded.numbered(optim_state), scheduler,
-                            epochs_done, position=done if step else None, rng=rng_states)
+                            epochs_done, position=done if step else None, rng=rng_states,
+                            run=settings)
         dist.barrier()  # no rank may read the checkpoint before it is complete
 
     def after_step(step, loss_sum, samples):
@@ -240,7 +244,7 @@ def main():
             progress.check_loss()  # never save a model whose loss went NaN
             save(epoch, step, loss_sum, samples)
         if stopping:
-            common.log(run, f"stopping at step {step} of epoch {epoch + 1} (SIGTERM): "
+            common.log(run, f"stopping at step {step} of epoch {epoch + 1} ({stop.reason}): "
                             f"checkpoint saved in {latest}")
         return stopping
 

@@ -165,7 +165,7 @@ def main():
     if args.command == "export":  # one process, no process group
         return dcp_checkpoint.export(args.resume, args.out_dir / "checkpoint.pt", args)
     fault_tolerance.check_restart_store()  # a restarted group must not meet at a stale store
-    stop = fault_tolerance.StopRequest()  # before the (slow) setup: SIGTERM may come any time
+    stop = fault_tolerance.StopRequest()  # before the (slow) setup: a signal may come any time
     use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
     run = common.setup_distributed(args)  # step 02's setup(), now shared
     nodes = report_topology(run)
@@ -186,7 +186,7 @@ def main():
     train_sampler = fault_tolerance.ResumableSampler(
         train_set, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=args.seed)
     train_loader = data.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
-                                    worker_init_fn=fault_tolerance.ignore_sigterm,
+                                    worker_init_fn=fault_tolerance.ignore_stop_signals,
                                     drop_last=True)  # as in 07: equal steps on every rank
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
@@ -266,7 +266,7 @@ def main():
             progress.check_loss()  # never save a model whose loss went NaN
             save(epoch, step, loss_sum, samples, wait=stopping)
         if stopping:
-            common.log(run, f"stopping at step {step} of epoch {epoch + 1} (SIGTERM): "
+            common.log(run, f"stopping at step {step} of epoch {epoch + 1} ({stop.reason}): "
                             f"checkpoint saved in {latest}")
         return stopping
 

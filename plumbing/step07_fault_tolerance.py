@@ -157,8 +157,6 @@ def ignore_stop_signals(worker_id):
         signal.signal(signum, signal.SIG_IGN)
 
 
-ignore_sigterm = ignore_stop_signals  # the name step 08 still uses
-
 
 def restarted() -> bool:
     """True in a group that torchrun restarted or a job that SLURM requeued."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 from . import checkpoint
-from .errors import UserError
+from .errors import UserError, first_line
 from .ranks import log
 
 
@@ -51,7 +51,7 @@ def restore(path: Path, run, model, optimizer, scheduler) -> dict:
         scheduler.load_state_dict(saved["scheduler"])
     except (KeyError, IndexError, RuntimeError, ValueError, TypeError) as err:
         raise UserError(f"checkpoint {path} does not fit this model/optimizer "
-                        f"({str(err).splitlines()[0][:160]})") from None
+                        f"({first_line(err, 160)})") from None
     log(run, f"resumed from {path} after epoch {saved['epoch']}")
     return saved
 

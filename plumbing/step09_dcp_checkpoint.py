@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from . import checkpoint
-from .errors import UserError
+from .errors import UserError, first_line
 from .model import build_model
 from .ranks import log
 
@@ -104,7 +104,7 @@ def complete_folder(path: Path) -> Path:
         SafeReader(folder).read_metadata()
     except Exception as err:  # noqa: BLE001 -- pickle errors, truncated file, ...
         raise UserError(f"{folder / '.metadata'} is not a DCP checkpoint's metadata; not "
-                        f"loading it ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
+                        f"loading it ({type(err).__name__}: {first_line(err, 120)})"
                         ) from None
     return folder
 
@@ -113,7 +113,7 @@ def root_cause(err: CheckpointException) -> str:
     """DCP raises one CheckpointException for every rank's failures; the first one says why."""
     failure = next(iter(err.failures.values()), None)
     cause = failure[0] if isinstance(failure, tuple) else failure
-    return f"{type(cause).__name__}: {str(cause).splitlines()[0][:160]}" if cause else str(err)
+    return f"{type(cause).__name__}: {first_line(cause, 160)}" if cause else str(err)
 
 
 @contextlib.contextmanager
@@ -150,7 +150,7 @@ def rng_state(folder: Path, run) -> dict | None:
         return torch.load(path, map_location="cpu", weights_only=True)  # to the CPU: see 07
     except Exception as err:  # noqa: BLE001 -- not plain data, truncated, ...
         raise UserError(f"{path} is not a random state; not loading it ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:120]})") from None
+                        f"{first_line(err, 120)})") from None
 
 
 class Commits:
