@@ -58,7 +58,7 @@ STEPS = [
 
 
 def step_id(script: str) -> str:
-    """"02b_overlap_by_hand.py" -> "02b""""
+    """The step's id: "02b" for 02b_overlap_by_hand.py."""
     return script.split("_")[0]
 
 
