@@ -1,6 +1,6 @@
 """The whole tutorial in one command: every step in order, briefly, then one table.
 
-    python tour.py                    # about 3 minutes on a 2-core laptop CPU
+    python tour.py                    # about 2 minutes on a 2-core laptop CPU
     python tour.py --samples 10000    # more data per step (better accuracy, longer)
 
 Each step runs the way you would run it yourself (plain python, or torchrun with 2 processes:
