@@ -36,7 +36,8 @@ Look for: each --bug run ends within --timeout (10 s here) plus a few seconds, n
 its last line starts with "diagnosis:" and names the rank that is behind and the collective it
 missed, or the shapes that differ. Then find the line marked "BUG" below.
 
-Read also: plumbing/step10_debugging.py (asking every rank for its state once one has failed),
+Read also: plumbing/step10_debugging.py (asking every rank for its state once one has failed,
+and turning those states into the one diagnosis line),
 docs/debugging.md (each tool in depth, what works with gloo and what does not).
 """
 
@@ -116,8 +117,8 @@ def train_one_epoch(model, loader, optimizer, run, checked, progress):
         loss = F.cross_entropy(model(images), labels)
         loss.backward()  # DDP all-reduces the gradients in here: one collective per bucket
         optimizer.step()
-        totals += torch.stack([loss.detach().double() * len(labels),
-                               torch.tensor(len(labels), dtype=torch.float64)])
+        totals[0] += loss.detach().double() * len(labels)
+        totals[1] += len(labels)
     dist.all_reduce(totals, group=checked)
     return (totals[0] / totals[1]).item()
 
@@ -176,72 +177,6 @@ def rank_state(run, progress, err=None) -> dict:
             "detail": debug.detail_fingerprint(message), "absent": debug.absent_ranks(message)}
 
 
-def describe(c) -> str:
-    """'#5 all_reduce of [51] Float' for a collective from the Flight Recorder or DETAIL."""
-    shapes = ", ".join(str(list(s)) for s in c["shapes"]) or "no tensor"
-    return f"#{c['seq']} {c['op']} of {shapes} {'/'.join(d for d in c['dtypes'] if d)}".rstrip()
-
-
-def pending(state):
-    """The collective a rank was in when it failed: its own DETAIL fingerprint, else the
-    Flight Recorder's entry that never completed; None if it was in none."""
-    return state["detail"] or state["pending"]
-
-
-def who_is_behind(states: dict):
-    """(ranks behind, a rank ahead), or None when no rank is behind. Behind means fewer
-    training steps; at equal steps, absent from a collective (DETAIL's monitored barrier names
-    it), or fewer collectives on DDP's group (the Flight Recorder's counts)."""
-    steps = {r: s["steps"] for r, s in states.items()}
-    absent = {r for s in states.values() for r in s["absent"]}
-    seen = {r: s["last"].get("DDP's group", {"seq": 0})["seq"] for r, s in states.items()}
-    for counts in (steps, None, seen):
-        if counts is None and absent:
-            return sorted(absent), min(set(states) - absent)
-        if counts is not None and len(set(counts.values())) > 1:
-            return ([r for r in counts if counts[r] == min(counts.values())],
-                    max(counts, key=counts.get))
-    return None
-
-
-def missed_collective(states: dict, behind: int, ahead: int) -> str:
-    """The collective the rank ahead waits in: its own record of it, else (when gloo did
-    not mark it pending) the ones on DDP's group that only the rank ahead holds."""
-    missed = pending(states[ahead])
-    newest = states[ahead]["last"].get("DDP's group")
-    first = states[behind]["last"].get("DDP's group", {"seq": 0})["seq"] + 1
-    if missed is None and newest and newest["seq"] >= first:
-        numbers = f"#{first}" if first == newest["seq"] else f"#{first}-{newest['seq']}"
-        return f"{numbers} {describe(newest).split(' ', 1)[1]} on DDP's group"
-    return describe(missed) if missed else "(none recorded)"
-
-
-def diagnose(states: dict, world_size: int) -> str:
-    """One line: the rank that is behind and the collective it missed, or the shapes that
-    differ, or (failing both) where each rank is."""
-    gone = [r for r in range(world_size) if r not in states]
-    if gone:
-        return (f"rank {', '.join(map(str, gone))} died without a word (gloo aborts a process "
-                f"whose collective received more data than it expected): see its output above")
-    found = who_is_behind(states)
-    if found:
-        behind, ahead = found
-        steps = (f" ({states[behind[0]]['steps']} training steps, rank {ahead} took "
-                 f"{states[ahead]['steps']})" if states[behind[0]]["steps"] !=
-                 states[ahead]["steps"] else "")
-        return (f"rank {', '.join(map(str, behind))} is behind{steps}: it missed collective "
-                f"{missed_collective(states, behind[0], ahead)}, which rank {ahead} waits in "
-                f"at {states[ahead]['where']}; rank {behind[0]} is at "
-                f"{states[behind[0]]['where']}")
-    ops = {r: pending(s) for r, s in states.items()}
-    if all(ops.values()) and len({o["op"] for o in ops.values()}) == 1:
-        return (f"collective #{ops[0]['seq']} ({ops[0]['op']}) got tensors of different "
-                f"shapes: " + "; ".join(f"rank {r} {describe(o).split(' of ')[1]} at "
-                                        f"{states[r]['where']}" for r, o in ops.items()))
-    return "ranks disagree: " + "; ".join(f"rank {r} in {describe(o) if o else 'no collective'}"
-                                          f" at {states[r]['where']}" for r, o in ops.items())
-
-
 def report_failure(err, run, args, progress, watcher) -> None:
     """A collective raised: say what each tool found, then one diagnosis line; never returns
     (a gloo group whose collective failed cannot be destroyed cleanly: leave at once)."""
@@ -258,7 +193,7 @@ def report_failure(err, run, args, progress, watcher) -> None:
         os._exit(EXIT_HANG)
     states = debug.collect(run.world_size, wait_seconds=5)
     for rank, s in sorted(states.items()):
-        groups = "; ".join(f"{name} {describe(c)}{'' if c['done'] else ' NOT completed'}"
+        groups = "; ".join(f"{name} {debug.describe(c)}{'' if c['done'] else ' NOT completed'}"
                            for name, c in s["last"].items())
         print(f"[Flight Recorder] rank {rank} ({s['steps']} steps, at {s['where']}): last "
               f"collectives: {groups or 'none'}", flush=True)
@@ -270,7 +205,7 @@ def report_failure(err, run, args, progress, watcher) -> None:
         if s["host"] == run.hostname and s["error"] is None:  # still stuck, on this machine
             print(f"[py-spy] rank {rank} (pid {s['pid']}): {debug.py_spy(s['pid'], __file__)}",
                   flush=True)
-    print(f"diagnosis: {diagnose(states, run.world_size)}", flush=True)
+    print(f"diagnosis: {debug.diagnose(states, run.world_size)}", flush=True)
     debug.store().set(debug.REPORTED, "1")
     os._exit(EXIT_HANG)
 

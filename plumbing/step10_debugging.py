@@ -228,3 +228,70 @@ def write_fr_dumps(folder: Path, records: dict[int, dict]) -> None:
         tmp = folder / f".rank{rank}.tmp"
         tmp.write_bytes(pickle.dumps({**record, "entries": entries, "pg_config": config}))
         os.replace(tmp, folder / f"rank{rank}")
+
+
+# ---------------------------------------------------------------- the diagnosis line
+def describe(c) -> str:
+    """'#5 all_reduce of [51] Float' for a collective from the Flight Recorder or DETAIL."""
+    shapes = ", ".join(str(list(s)) for s in c["shapes"]) or "no tensor"
+    return f"#{c['seq']} {c['op']} of {shapes} {'/'.join(d for d in c['dtypes'] if d)}".rstrip()
+
+
+def pending(state):
+    """The collective a rank was in when it failed: its own DETAIL fingerprint, else the
+    Flight Recorder's entry that never completed; None if it was in none."""
+    return state["detail"] or state["pending"]
+
+
+def who_is_behind(states: dict):
+    """(ranks behind, a rank ahead), or None when no rank is behind. Behind means fewer
+    training steps; at equal steps, absent from a collective (DETAIL's monitored barrier names
+    it), or fewer collectives on DDP's group (the Flight Recorder's counts)."""
+    steps = {r: s["steps"] for r, s in states.items()}
+    absent = {r for s in states.values() for r in s["absent"]}
+    seen = {r: s["last"].get("DDP's group", {"seq": 0})["seq"] for r, s in states.items()}
+    for counts in (steps, None, seen):
+        if counts is None and absent:
+            return sorted(absent), min(set(states) - absent)
+        if counts is not None and len(set(counts.values())) > 1:
+            return ([r for r in counts if counts[r] == min(counts.values())],
+                    max(counts, key=counts.get))
+    return None
+
+
+def missed_collective(states: dict, behind: int, ahead: int) -> str:
+    """The collective the rank ahead waits in: its own record of it, else (when gloo did
+    not mark it pending) the ones on DDP's group that only the rank ahead holds."""
+    missed = pending(states[ahead])
+    newest = states[ahead]["last"].get("DDP's group")
+    first = states[behind]["last"].get("DDP's group", {"seq": 0})["seq"] + 1
+    if missed is None and newest and newest["seq"] >= first:
+        numbers = f"#{first}" if first == newest["seq"] else f"#{first}-{newest['seq']}"
+        return f"{numbers} {describe(newest).split(' ', 1)[1]} on DDP's group"
+    return describe(missed) if missed else "(none recorded)"
+
+
+def diagnose(states: dict, world_size: int) -> str:
+    """One line: the rank that is behind and the collective it missed, or the shapes that
+    differ, or (failing both) where each rank is."""
+    gone = [r for r in range(world_size) if r not in states]
+    if gone:
+        return (f"rank {', '.join(map(str, gone))} died without a word (gloo aborts a process "
+                f"whose collective received more data than it expected): see its output above")
+    found = who_is_behind(states)
+    if found:
+        behind, ahead = found
+        steps = (f" ({states[behind[0]]['steps']} training steps, rank {ahead} took "
+                 f"{states[ahead]['steps']})" if states[behind[0]]["steps"] !=
+                 states[ahead]["steps"] else "")
+        return (f"rank {', '.join(map(str, behind))} is behind{steps}: it missed collective "
+                f"{missed_collective(states, behind[0], ahead)}, which rank {ahead} waits in "
+                f"at {states[ahead]['where']}; rank {behind[0]} is at "
+                f"{states[behind[0]]['where']}")
+    ops = {r: pending(s) for r, s in states.items()}
+    if all(ops.values()) and len({o["op"] for o in ops.values()}) == 1:
+        return (f"collective #{ops[0]['seq']} ({ops[0]['op']}) got tensors of different "
+                f"shapes: " + "; ".join(f"rank {r} {describe(o).split(' of ')[1]} at "
+                                        f"{states[r]['where']}" for r, o in ops.items()))
+    return "ranks disagree: " + "; ".join(f"rank {r} in {describe(o) if o else 'no collective'}"
+                                          f" at {states[r]['where']}" for r, o in ops.items())

@@ -7,21 +7,19 @@ planted bug reaches (a rank in no collective, a rank that died).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import pytest
-from conftest import REPO, assert_no_traceback, run_step
+from conftest import assert_no_traceback, run_step
+from plumbing import step10_debugging as debug
 
 BUG_TIMEOUT = 6  # seconds a collective waits: skip and uneven hang this long, then fail
 HANG_GUARD_SECONDS = 180  # a run that has not ended by then hangs (startup alone is ~10 s)
 
 
 def load_step():
-    spec = importlib.util.spec_from_file_location("step10", REPO / "10_debugging.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """Where step 10's diagnosis line is made (plumbing/step10_debugging.py)."""
+    return debug
 
 
 @pytest.fixture(scope="module")

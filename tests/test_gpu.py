@@ -36,12 +36,14 @@ def train(script: str, args: list, out, nproc: int | None = RANKS, **kwargs):
 @pytest.mark.parametrize("script, nproc, extra", [
     ("00_single_gpu.py", None, []),
     ("02_manual_ddp.py", RANKS, []),
+    ("02b_overlap_by_hand.py", RANKS, []),
     ("03_ddp_wrapper.py", RANKS, []),
     ("04_ddp_compile.py", RANKS, ["--compile"]),
     ("05_multinode.py", RANKS, []),
     ("06_streaming_h5.py", RANKS, []),
     ("07_fault_tolerance.py", RANKS, []),
     ("08_fsdp2.py", RANKS, []),
+    ("09_distributed_checkpoint.py", RANKS, []),
 ])
 def test_every_step_trains_on_the_gpu_and_learns(script, nproc, extra, mnist_root, tmp_path):
     if script == "06_streaming_h5.py":
@@ -84,15 +86,18 @@ def test_deterministic_gpu_runs_repeat_and_resume_bit_for_bit(mnist_root, tmp_pa
     assert max_difference(runs["first"], runs["killed"]) == 0.0
 
 
-def test_fsdp2_trains_in_bf16_and_resumes(mnist_root, tmp_path):
-    """On a GPU with native bf16, 08 computes in bf16 by default and reduces in fp32."""
+@pytest.mark.parametrize("script, saved", [("08_fsdp2.py", "checkpoint.pt"),
+                                           ("09_distributed_checkpoint.py", "checkpoint")])
+def test_fsdp2_trains_in_bf16_and_resumes(script, saved, mnist_root, tmp_path):
+    """On a GPU with native bf16, 08 and 09 compute in bf16 by default and reduce in fp32; 08
+    resumes from its gathered file, 09 from its DCP folder (the link to the newest)."""
     if not torch.cuda.is_bf16_supported(including_emulation=False):
-        pytest.skip("this GPU emulates bf16: 08 trains in float32 on it")
-    proc, summary = train("08_fsdp2.py", ["--data-dir", mnist_root], tmp_path)
+        pytest.skip("this GPU emulates bf16: 08 and 09 train in float32 on it")
+    proc, summary = train(script, ["--data-dir", mnist_root], tmp_path)
     assert "mixed_precision=bf16/fp32" in proc.stdout, proc.stdout[-2000:]
     assert summary["test_accuracy"] > 0.3
-    proc, resumed = train("08_fsdp2.py", ["--data-dir", mnist_root, "--epochs", 2, "--resume",
-                                          tmp_path / "checkpoint"], tmp_path)
+    proc, resumed = train(script, ["--data-dir", mnist_root, "--epochs", 2, "--resume",
+                                   tmp_path / saved], tmp_path)
     assert len(resumed["train_losses"]) == 1 and resumed["test_accuracy"] > 0.3
 
 
