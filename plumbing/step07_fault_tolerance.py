@@ -47,10 +47,17 @@ class StopRequest:
 
     A request that cannot become a checkpoint ends the process at once (errors.Interrupted, exit
     128 + the signal's number): one before the first vote (no step trained yet: nothing to save),
-    and a second one (whoever sends it twice means now). Ctrl-C (SIGINT) always ends at once."""
+    and a second one (whoever sends it twice means now). Ctrl-C (SIGINT) always ends at once.
+    "Second" means at least REPEAT_AFTER_S after the first: one preemption often arrives twice
+    within a second or two (SLURM signals every process of the job step, and torchrun forwards
+    the signal it got, once more when its own shutdown is interrupted by a second one; seen on
+    the two-node test cluster), and that repeat is the same request."""
+
+    REPEAT_AFTER_S = 5.0
 
     def __init__(self):
         self.requested = None  # the name of the signal that asked this rank to stop
+        self.requested_at = None
         self.steps, self.next_vote, self.started = 0, 1, time.monotonic()
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
@@ -58,10 +65,12 @@ class StopRequest:
     def _on_signal(self, signum, frame):
         name = signal.Signals(signum).name
         if self.requested:
+            if time.monotonic() - self.requested_at < self.REPEAT_AFTER_S:
+                return  # the same request, delivered twice
             raise Interrupted(signum, f"a second stop signal ({name} after {self.requested})")
         if not self.steps:
             raise Interrupted(signum, f"{name} before the first training step")
-        self.requested = name
+        self.requested, self.requested_at = name, time.monotonic()
 
     @property
     def reason(self) -> str:

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from plumbing import checkpoint
+from plumbing import step07_fault_tolerance as fault_tolerance
 from conftest import REPO, base_env, torchrun_cmd
 
 # 80 steps of 12 (a long epoch at this machine's pace), a checkpoint every 4, one worker per rank.
@@ -117,6 +118,10 @@ def test_a_second_sigterm_ends_the_process_at_once(tmp_path):
     proc.send_signal(signal.SIGTERM)
     time.sleep(1)
     assert proc.poll() is None, read(proc)  # the first one only took note
+    proc.send_signal(signal.SIGTERM)  # a repeat within StopRequest.REPEAT_AFTER_S: the same one
+    time.sleep(1)
+    assert proc.poll() is None, read(proc)
+    time.sleep(fault_tolerance.StopRequest.REPEAT_AFTER_S)
     proc.send_signal(signal.SIGTERM)
     output = finish(proc)
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
