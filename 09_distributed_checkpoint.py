@@ -22,7 +22,6 @@ reading without running code), plumbing/step08_fsdp2.py, plumbing/step07_fault_t
 """
 
 import argparse
-import math
 import os
 
 import torch
@@ -95,13 +94,16 @@ def train_one_epoch(model, loader, optimizer, run, plan, progress, position, rng
     return (totals[0] / totals[1]).item()
 
 
-def evaluate(model, loader, run, forwards):
+def evaluate(model, loader, run):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
     correct answers, samples), then the sums are added up over all ranks. Every forward is a
-    collective (an all-gather): a rank with fewer test batches runs blank ones, counting none."""
+    collective (an all-gather): a rank with fewer test batches runs blank ones, counting none.
+    Their number is agreed first: an all-reduce among the forwards would meet an all-gather."""
+    most = torch.tensor(len(loader), device=run.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most test batches any rank has
     sums = metrics.test_sums(model, loader, run)
     with torch.no_grad(), run.autocast():
-        for _ in range(forwards - len(loader)):
+        for _ in range(int(most) - len(loader)):
             model(torch.zeros(1, 1, 28, 28, device=run.device))  # a blank digit
     dist.all_reduce(sums)
     return metrics.test_results(sums)
@@ -129,7 +131,7 @@ def shard(model, run, args):
     """FSDP2: each layer's weights become DTensors, split over the ranks along their first
     dimension; `p.to_local()` is this rank's part. Layers first, the root last: each call makes
     one group that is gathered and scattered together."""
-    if args.hsdp:  # nodes x processes per node: shard within a node, replicate across nodes
+    if args.hsdp:  # nodes x processes per node: replicate across nodes, shard within one
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
         mesh = init_device_mesh(run.device.type, (run.world_size // per_node, per_node),
                                 mesh_dim_names=("replicate", "shard"))
@@ -138,12 +140,11 @@ def shard(model, run, args):
     # On GPUs: compute in bf16 (half the bytes to gather), sum gradients in fp32 (precision).
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   output_dtype=torch.float32) if args.mixed_precision else None
-    for layer in (model.conv1, model.conv2, model.fc1, model.fc2):
-        # reshard_after_forward: free the gathered weights after forward and gather them again
-        # in backward (less memory), or keep them until backward (less communication).
+    # reshard_after_forward: free the gathered weights after forward and gather them again in
+    # backward (less memory), or keep them until backward (less communication).
+    for layer in (model.conv1, model.conv2, model.fc1, model.fc2, model):
         fully_shard(layer, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy(),
                     reshard_after_forward=args.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
     return model
 
 
@@ -152,8 +153,7 @@ def main():
     parser.add_argument("command", nargs="?", choices=["train", "export"], default="train",
                         help="export: write the --resume checkpoint as one plain checkpoint.pt")
     parser.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction,
-                        help="bf16 weights in compute, fp32 gradient sums (default: on GPUs "
-                        "with bf16)")
+                        help="bf16 compute, fp32 gradient sums (default: on GPUs with bf16)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                         default=True, help="free gathered weights after forward (default)")
     parser.add_argument("--hsdp", action="store_true",
@@ -175,9 +175,8 @@ def main():
     train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
                                len(train_set))
-    if args.mixed_precision is None:  # on GPUs with bf16 (not emulated: slower than fp32)
-        args.mixed_precision = (run.device.type == "cuda"
-                                and torch.cuda.is_bf16_supported(including_emulation=False))
+    if args.mixed_precision is None:  # default: on GPUs that compute in bf16 natively
+        args.mixed_precision = run.has_bf16
     common.announce(run, args, plan, __file__,
                     mixed_precision="bf16/fp32" if args.mixed_precision else "off")
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
@@ -192,7 +191,6 @@ def main():
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
     test_loader = data.make_loader(test_shard, 1000, run, args)
-    test_forwards = math.ceil(math.ceil(len(test_set) / run.world_size) / 1000)  # the most
 
     # On the meta device a model has shapes and no memory. shard() splits each parameter over
     # the ranks, to_empty() allocates this rank's shards (uninitialised), and rank 0's full
@@ -204,8 +202,9 @@ def main():
                          else {}, options=StateDictOptions(full_state_dict=True,
                                                            broadcast_from_rank0=True))
     memory_after_build = sharded.peak_memory_mib(run)  # (MiB)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # after shard()
     common.log(run, sharded.describe_shards(model))  # "each rank holds N of the M ..."
+    # The optimizer comes after shard(): it must hold the sharded parameters.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     latest = args.out_dir / "checkpoint"  # a link to the newest complete checkpoint folder
     # Any rank restarted: all resume (an agent restarted only because another node failed
@@ -287,12 +286,12 @@ def main():
             samples_per_sec = progress.end_epoch()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            test = evaluate(model, test_loader, run, test_forwards)
+            test = evaluate(model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             save(epoch + 1)
     saving.finish()  # the last save, complete before the run ends
     if test is None:  # resumed a finished run: evaluate only
-        test = evaluate(model, test_loader, run, test_forwards)
+        test = evaluate(model, test_loader, run)
     if progress.first_step_seconds is not None:
         common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off costs: warm-up, "
                         f"the compile if on), then {progress.samples_per_sec or 0:,.0f} samples/s")

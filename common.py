@@ -38,13 +38,18 @@ class Run:
     hostname: str = socket.gethostname()
 
     def __post_init__(self):
-        # A V100 or T4 "supports" bf16 only by emulating it, slower than float32: not counted.
-        self.amp = bool(self.amp and self.device.type == "cuda"
-                        and torch.cuda.is_bf16_supported(including_emulation=False))
+        self.amp = bool(self.amp and self.has_bf16)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if self.world_size == 1 and launched > 1:  # e.g. torchrun --nproc-per-node 2 00_...
             raise UserError(f"this step trains in one process; start it with plain python, "
                             f"not with {launched} processes")
+
+    @property
+    def has_bf16(self) -> bool:
+        """A GPU that computes in bf16 natively. A V100 or T4 "supports" bf16 only by emulating
+        it, slower than float32: not counted."""
+        return (self.device.type == "cuda"
+                and torch.cuda.is_bf16_supported(including_emulation=False))
 
     @property
     def is_main(self) -> bool:

@@ -6,6 +6,7 @@ The runs are 2 epochs of 20 steps (conftest.RESTART_ARGS); a run's weights are r
 its checkpoint.pt, a plain file written by rank 0 from the state gathered from every shard.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, RESTART_ARGS, base_env, read_summary, run_step
+from conftest import REPO, RESTART_ARGS, base_env, launch, read_summary, run_step, torchrun_cmd
 from plumbing.model import Net
 
 STEP = "08_fsdp2.py"
@@ -120,3 +121,21 @@ def test_hybrid_sharding_on_two_agents_shards_within_each_node(mnist_root, tmp_p
     assert summary["params_per_rank"] == [1_199_882 // 2] * 4  # sharded over 2, not 4
     assert "mixed_precision=bf16/fp32" in "".join(outputs)
     assert summary["test_accuracy"] > 0.3  # it learns (chance: 0.1)
+
+
+def test_gradient_clipping_sees_every_shard_and_refuses_a_parameter_left_out(tmp_path):
+    """clip_grad_norm_ on FSDP2's DTensor gradients computes the norm of the WHOLE gradient
+    (each rank's shard norms are combined by a collective), so a sharded model clips as the
+    whole one does. The two float32 norms differ in their last digits: the whole model sums
+    fc1's 1.2 M squares in one reduction, the sharded one in two halves (measured: 2.8e-5 and
+    0.9e-5 from the float64 norm). A parameter left out of fully_shard stays a plain tensor
+    among DTensors, and the norm refuses the mix."""
+    launch(torchrun_cmd(2, REPO / "tests" / "clip_probe.py", tmp_path))
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["gradient_difference"] == 0.0  # the same gradients, sharded or not
+        assert result["float64_norm"] > 0.5  # clipping did scale the gradients
+        for norm in result["whole_norm"], result["sharded_norm"]:
+            assert norm == pytest.approx(result["float64_norm"], rel=1e-4)  # float32 sums
+        assert result["clipped_norm"] == pytest.approx(0.5, rel=1e-4)
+        assert "mixed torch.Tensor and DTensor" in result["left_out_error"]
