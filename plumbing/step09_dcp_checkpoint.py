@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import pathlib
 import pickle
@@ -32,7 +33,9 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.futures import Future
 
 from . import checkpoint
 from .errors import UserError, first_line
@@ -82,6 +85,37 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan: LoadPlan, planner) -> Future:
+        """torch's read_data, one file at a time, so that a file that cannot be read (truncated,
+        overwritten, missing) is named: torch's own error says only what failed inside it."""
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                                []).append(item)
+        for relative_path, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as err:  # noqa: BLE001 -- zip, pickle, I/O errors, ...
+                raise UnreadableFile(str(Path(self.path) / relative_path), why(err)) from None
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+class UnreadableFile(Exception):
+    """A checkpoint file that could not be read: (its path, why). Plain strings: DCP sends a
+    rank's exception to every rank."""
+
+
+def why(err: BaseException) -> str:
+    """An error in one line; for torch's weights-only unpickler, the line that says what it met
+    (its first line only says that it failed)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        detail = [line for line in lines[1:] if not line.startswith(("Please file", "Check the"))]
+        return f"{type(err).__name__}: {detail[0][:160] if detail else lines[0][:160]}"
+    return f"{type(err).__name__}: {first_line(err, 160)}"
+
 
 class SafePlanner(DefaultLoadPlanner):
     """DCP's default planner, but a saved value that is not a tensor (an epoch, the scheduler's
@@ -103,16 +137,21 @@ def complete_folder(path: Path) -> Path:
     try:
         SafeReader(folder).read_metadata()
     except Exception as err:  # noqa: BLE001 -- pickle errors, truncated file, ...
-        raise UserError(f"{folder / '.metadata'} is not a DCP checkpoint's metadata; not "
-                        f"loading it ({type(err).__name__}: {first_line(err, 120)})"
-                        ) from None
+        raise UserError(f"{folder / '.metadata'} is damaged or is not a DCP checkpoint's "
+                        f"metadata; not loading it ({type(err).__name__}: "
+                        f"{first_line(err, 120)})") from None
     return folder
 
 
-def root_cause(err: CheckpointException) -> str:
-    """DCP raises one CheckpointException for every rank's failures; the first one says why."""
+def first_failure(err: CheckpointException) -> BaseException | None:
+    """DCP raises one CheckpointException for every rank's failures (the same on every rank:
+    it is sent from the coordinator); the first one says why."""
     failure = next(iter(err.failures.values()), None)
-    cause = failure[0] if isinstance(failure, tuple) else failure
+    return failure[0] if isinstance(failure, tuple) else failure
+
+
+def root_cause(err: CheckpointException) -> str:
+    cause = first_failure(err)
     return f"{type(cause).__name__}: {first_line(cause, 160)}" if cause else str(err)
 
 
@@ -124,11 +163,16 @@ def one_line_errors(folder: Path):
     try:
         yield
     except CheckpointException as err:
-        cause = root_cause(err)
-        if cause.startswith("UnpicklingError"):
-            raise UserError(f"checkpoint {folder} holds something other than data; not loading "
-                            f"it ({cause})") from None
-        raise UserError(f"checkpoint {folder} does not fit this model ({cause})") from None
+        cause = first_failure(err)
+        if isinstance(cause, UnreadableFile):  # read, but not as a checkpoint's file
+            path, reason = cause.args
+            if "unsupported global" in reason.lower():  # a class or function: code
+                raise UserError(f"checkpoint file {path} holds something other than data; not "
+                                f"loading it ({reason})") from None
+            raise UserError(f"checkpoint file {path} is damaged or unreadable; not loading it "
+                            f"({reason})") from None
+        raise UserError(f"checkpoint {folder} does not fit this model ({root_cause(err)})"
+                        ) from None
 
 
 def load(state: dict, folder: Path) -> None:
@@ -147,10 +191,15 @@ def rng_state(folder: Path, run) -> dict | None:
         return None
     path = folder / f"rng-rank{run.rank}.pt"
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)  # to the CPU: see 07
-    except Exception as err:  # noqa: BLE001 -- not plain data, truncated, ...
-        raise UserError(f"{path} is not a random state; not loading it ({type(err).__name__}: "
-                        f"{first_line(err, 120)})") from None
+        state = torch.load(path, map_location="cpu", weights_only=True)  # to the CPU: see 07
+    except Exception as err:  # noqa: BLE001 -- not plain data, empty, truncated, ...
+        raise UserError(f"{path} is damaged or is not a random state; not loading it "
+                        f"({why(err)})") from None
+    if not (isinstance(state, dict) and torch.is_tensor(state.get("cpu"))
+            and state["cpu"].dtype == torch.uint8):
+        raise UserError(f"{path} is damaged or is not a random state; not loading it (a "
+                        f"{type(state).__name__} without a CPU random state)")
+    return state
 
 
 class Commits:
