@@ -3,7 +3,8 @@ atomic commit, every rank's random state, reading without running code, export t
 
 Step 09 first needs it (09 calls dcp.async_save and dcp.load itself). A checkpoint is a folder,
 <out-dir>/checkpoint-epoch<E>-step<S>, with DCP's files (every rank writes its own shards;
-`.metadata`, written last, makes it complete) and each rank's random state (rng-rank<R>.pt).
+`.metadata`, written last, makes it complete), each rank's random state (rng-rank<R>.pt) and
+the settings of the run that wrote it (run.json: see step07_fault_tolerance.run_settings).
 <out-dir>/checkpoint is a link to the newest complete one: switching a link is one atomic
 rename, so a kill during a save leaves the link on the previous checkpoint.
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import io
+import json
 import os
 import pathlib
 import pickle
@@ -37,7 +40,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.futures import Future
 
-from . import checkpoint
+from . import checkpoint, step07_fault_tolerance as fault_tolerance
 from .errors import UserError, first_line
 from .model import build_model
 from .ranks import log
@@ -202,13 +205,65 @@ def rng_state(folder: Path, run) -> dict | None:
     return state
 
 
+# ---------------------------------------------------------------- which run wrote a checkpoint
+RUN_FILE = "run.json"  # the settings of the run that wrote the folder: plain JSON, no code
+
+
+def saved_settings(folder: Path) -> dict | None:
+    """The settings run.json records (None in a folder written before it existed)."""
+    path = Path(folder) / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # (a UnicodeDecodeError is a ValueError)
+        raise UserError(f"{path} is damaged or unreadable ({type(err).__name__}: "
+                        f"{first_line(err, 120)})") from None
+
+
+def own_checkpoint(latest: Path, settings: dict, run) -> Path | None:
+    """Step 07's own_checkpoint, for a DCP folder: the link `latest` if this run's settings
+    wrote the folder it names. Another run's checkpoint in the same --out-dir (a finished one,
+    say) is left alone: adopting it would report that run's results under this run's flags."""
+    if not latest.exists():  # (a link to nothing does not exist)
+        return None
+    differ = fault_tolerance.differences(saved_settings(latest), settings, settings)
+    if differ:
+        log(run, f"not resuming from {latest}: another run wrote it ({', '.join(differ)}); "
+                 f"starting afresh")
+        return None
+    return latest
+
+
+def check_same_sample_order(folder: Path, position: dict, settings: dict) -> None:
+    """Step 07's check: a checkpoint from the middle of an epoch continues only with the data,
+    seed and global batch that wrote it; otherwise one line naming what differs."""
+    fault_tolerance.check_same_sample_order(
+        {"position": position if position["step"] else None, "run": saved_settings(folder)},
+        settings, folder)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """A temporary file, fsync, then a rename: `path` is whole or absent, never cut short."""
+    tmp = path.with_name(f".{path.name}.tmp")  # (one writer per file: each rank its own)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class Commits:
     """One checkpoint at a time: new_folder() waits for the previous save and commits it, then
-    prepares the next folder; started() takes the save's future (dcp.async_save's), finish()
-    waits for it and commits it (every rank's shards written, then rank 0 switches the link)."""
+    prepares the next folder (every rank's random state, and the run's settings); started()
+    takes the save's future (dcp.async_save's), finish() waits for it and commits it (every
+    rank's shards written, then rank 0 switches the link)."""
 
-    def __init__(self, out_dir: Path, run):
-        self.out_dir, self.run, self.pending = out_dir, run, None
+    def __init__(self, out_dir: Path, run, settings: dict):
+        self.out_dir, self.run, self.settings, self.pending = out_dir, run, settings, None
         self.folder, self.started_at = None, 0.0
 
     def new_folder(self, name: str, rng: dict) -> Path:
@@ -218,7 +273,11 @@ class Commits:
             shutil.rmtree(folder)
         dist.barrier()
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(rng, folder / f"rng-rank{self.run.rank}.pt")
+        state = io.BytesIO()
+        torch.save(rng, state)
+        write_atomically(folder / f"rng-rank{self.run.rank}.pt", state.getvalue())
+        if self.run.is_main:
+            write_atomically(folder / RUN_FILE, json.dumps(self.settings).encode())
         self.folder, self.started_at = folder, time.perf_counter()
         return folder
 

@@ -123,3 +123,13 @@ def test_the_timeline_names_an_empty_trace(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("error: ") and "rank0.1.pt.trace.json" in proc.stderr
     assert not (tmp_path / "out.png").exists()
+
+
+def test_a_random_state_file_that_meets_a_full_disk_is_absent_not_cut(small_disk):
+    """Step 09's per-rank files (rng-rank<R>.pt, run.json) are written through a temporary
+    file, fsync and a rename: a full disk leaves neither a cut file nor the temporary one."""
+    from plumbing import step09_dcp_checkpoint as dcp_checkpoint
+    (small_disk / "filler").write_bytes(b"\0" * (12 * 2**20 - 2**18))  # all but 256 KiB
+    with pytest.raises(OSError, match="No space left"):
+        dcp_checkpoint.write_atomically(small_disk / "rng-rank0.pt", b"\1" * 2**20)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
