@@ -6,7 +6,8 @@ Step 09 first needs it (09 calls dcp.async_save and dcp.load itself). A checkpoi
 `.metadata`, written last, makes it complete), each rank's random state (rng-rank<R>.pt) and
 the settings of the run that wrote it (run.json: see step07_fault_tolerance.run_settings).
 <out-dir>/checkpoint is a link to the newest complete one: switching a link is one atomic
-rename, so a kill during a save leaves the link on the previous checkpoint.
+rename, so a kill during a save leaves the link on the previous checkpoint, and a save that
+fails (a full disk) removes its folder on every rank's word.
 
 Nothing read from a checkpoint can run code. torch 2.14's DCP reads `.metadata` with plain
 `pickle.load`, and the non-tensor values of a state dict (epoch, scheduler, ...) with
@@ -256,11 +257,20 @@ def write_atomically(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def is_write_failure(err: BaseException | None) -> bool:
+    """A save failed on its disk: an OSError (a full disk: ENOSPC, a quota, ...) or torch's
+    zip writer failing (RuntimeError "[enforce fail at inline_container.cc...]"). Not a peer
+    lost mid-save (gloo's RuntimeError), which errors.run_main explains."""
+    return isinstance(err, OSError) or (isinstance(err, RuntimeError) and any(
+        marker in str(err) for marker in ("inline_container", "PytorchStreamWriter")))
+
+
 class Commits:
     """One checkpoint at a time: new_folder() waits for the previous save and commits it, then
     prepares the next folder (every rank's random state, and the run's settings); started()
     takes the save's future (dcp.async_save's), finish() waits for it and commits it (every
-    rank's shards written, then rank 0 switches the link)."""
+    rank's shards written, then rank 0 switches the link). A save that fails to write on any
+    rank fails on every rank, with the same line: its folder is removed (abandon)."""
 
     def __init__(self, out_dir: Path, run, settings: dict):
         self.out_dir, self.run, self.settings, self.pending = out_dir, run, settings, None
@@ -273,13 +283,31 @@ class Commits:
             shutil.rmtree(folder)
         dist.barrier()
         folder.mkdir(parents=True, exist_ok=True)
-        state = io.BytesIO()
-        torch.save(rng, state)
-        write_atomically(folder / f"rng-rank{self.run.rank}.pt", state.getvalue())
-        if self.run.is_main:
-            write_atomically(folder / RUN_FILE, json.dumps(self.settings).encode())
+        failed = None
+        try:
+            state = io.BytesIO()
+            torch.save(rng, state)
+            write_atomically(folder / f"rng-rank{self.run.rank}.pt", state.getvalue())
+            if self.run.is_main:
+                write_atomically(folder / RUN_FILE, json.dumps(self.settings).encode())
+        except OSError as err:  # a full disk, ...
+            failed = checkpoint.write_failure(err, folder)
+        everyone = [None] * self.run.world_size
+        dist.all_gather_object(everyone, failed)  # so that every rank stops if one must
+        if any(everyone):
+            self.abandon(folder, next(reason for reason in everyone if reason))
         self.folder, self.started_at = folder, time.perf_counter()
         return folder
+
+    def abandon(self, folder: Path, reason: str) -> None:
+        """Every rank calls this, with the same reason: the folder goes, the link stays."""
+        if self.run.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+        dist.barrier()  # removed before any rank exits (torchrun then ends the others)
+        link = self.out_dir / "checkpoint"
+        kept = (f"the last complete checkpoint, {os.readlink(link)}, is unchanged"
+                if link.exists() else "no complete checkpoint was written before it")
+        raise UserError(f"could not write checkpoint {folder}: {reason}; removed it, {kept}")
 
     def started(self, future) -> None:
         self.pending = (future, self.folder, time.perf_counter() - self.started_at,
@@ -292,7 +320,10 @@ class Commits:
         self.pending = None
         try:
             future.result()
-        except CheckpointException as err:  # a peer died mid-save: see errors.run_main
+        except CheckpointException as err:  # every rank gets every rank's failures
+            if is_write_failure(first_failure(err)):  # a full disk, ...
+                self.abandon(folder, checkpoint.write_failure(first_failure(err), folder))
+            # A peer died mid-save: see errors.run_main
             raise RuntimeError(f"a checkpoint save failed ({root_cause(err)})") from None
         seconds = time.perf_counter() - started
         dist.barrier()  # every rank's shards are written
