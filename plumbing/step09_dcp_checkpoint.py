@@ -270,7 +270,7 @@ class Commits:
     prepares the next folder (every rank's random state, and the run's settings); started()
     takes the save's future (dcp.async_save's), finish() waits for it and commits it (every
     rank's shards written, then rank 0 switches the link). A save that fails to write on any
-    rank fails on every rank, with the same line: its folder is removed (abandon)."""
+    rank fails on every rank, with one line: its folder is removed (abandon)."""
 
     def __init__(self, out_dir: Path, run, settings: dict):
         self.out_dir, self.run, self.settings, self.pending = out_dir, run, settings, None
@@ -300,7 +300,12 @@ class Commits:
         return folder
 
     def abandon(self, folder: Path, reason: str) -> None:
-        """Every rank calls this, with the same reason: the folder goes, the link stays."""
+        """Every rank calls this: the folder goes, the link stays, and every rank says rank 0's
+        reason (the same line, printed once per machine; the free space each rank measured
+        differs)."""
+        said = [reason]
+        dist.broadcast_object_list(said, src=0)
+        reason = said[0]
         if self.run.is_main:
             shutil.rmtree(folder, ignore_errors=True)
         dist.barrier()  # removed before any rank exits (torchrun then ends the others)
