@@ -207,11 +207,13 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     latest = args.out_dir / "checkpoint"  # a link to the newest complete checkpoint folder
+    settings = fault_tolerance.run_settings(__file__, args, plan, train_set)  # what this run is
     # Any rank restarted: all resume (an agent restarted only because another node failed
-    # does not count that restart). A fresh run starts fresh.
+    # does not count that restart), from this run's own checkpoint only (07's check, reading
+    # the folder's run.json). A fresh run starts fresh.
     if args.resume is None and common.all_ranks_agree(run, fault_tolerance.restarted(),
                                                            any_rank=True):
-        args.resume = latest if latest.exists() else None
+        args.resume = dcp_checkpoint.own_checkpoint(latest, settings, run)
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
         folder = dcp_checkpoint.complete_folder(args.resume)  # (its .metadata read safely)
@@ -228,6 +230,7 @@ def main():
                        optim_state_dict=state["optim"])
         scheduler.load_state_dict(state["extra"]["scheduler"])
         start_epoch, position = state["extra"]["epoch"], state["extra"]["position"]
+        dcp_checkpoint.check_same_sample_order(folder, position, settings)  # mid-epoch: 07's
         if position["step"]:  # mid-epoch; at an epoch's start, seed_everything draws it anew
             rng = dcp_checkpoint.rng_state(folder, run)  # same world size only, else None
         common.log(run, f"resumed from {folder} at step {position['step']} of epoch "
@@ -237,7 +240,7 @@ def main():
     # whose messages cannot interleave with FSDP's all-gathers (on the training group, gloo
     # aborted in 3 runs of 3).
     checkpoint_group = dist.new_group(backend="gloo")
-    saving = dcp_checkpoint.Commits(args.out_dir, run)  # one save at a time, then its commit
+    saving = dcp_checkpoint.Commits(args.out_dir, run, settings)  # one save at a time, + commit
 
     def save(epochs_done, step=0, loss_sum=None, samples=0, wait=False):
         """Every rank calls this, and writes its own shards (in the background)."""

@@ -3,9 +3,11 @@ atomic commit, every rank's random state, reading without running code, export t
 
 Step 09 first needs it (09 calls dcp.async_save and dcp.load itself). A checkpoint is a folder,
 <out-dir>/checkpoint-epoch<E>-step<S>, with DCP's files (every rank writes its own shards;
-`.metadata`, written last, makes it complete) and each rank's random state (rng-rank<R>.pt).
+`.metadata`, written last, makes it complete), each rank's random state (rng-rank<R>.pt) and
+the settings of the run that wrote it (run.json: see step07_fault_tolerance.run_settings).
 <out-dir>/checkpoint is a link to the newest complete one: switching a link is one atomic
-rename, so a kill during a save leaves the link on the previous checkpoint.
+rename, so a kill during a save leaves the link on the previous checkpoint, and a save that
+fails (a full disk) removes its folder on every rank's word.
 
 Nothing read from a checkpoint can run code. torch 2.14's DCP reads `.metadata` with plain
 `pickle.load`, and the non-tensor values of a state dict (epoch, scheduler, ...) with
@@ -17,6 +19,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import io
+import json
 import os
 import pathlib
 import pickle
@@ -32,9 +37,11 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.futures import Future
 
-from . import checkpoint
+from . import checkpoint, step07_fault_tolerance as fault_tolerance
 from .errors import UserError, first_line
 from .model import build_model
 from .ranks import log
@@ -82,6 +89,37 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan: LoadPlan, planner) -> Future:
+        """torch's read_data, one file at a time, so that a file that cannot be read (truncated,
+        overwritten, missing) is named: torch's own error says only what failed inside it."""
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                                []).append(item)
+        for relative_path, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as err:  # noqa: BLE001 -- zip, pickle, I/O errors, ...
+                raise UnreadableFile(str(Path(self.path) / relative_path), why(err)) from None
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+class UnreadableFile(Exception):
+    """A checkpoint file that could not be read: (its path, why). Plain strings: DCP sends a
+    rank's exception to every rank."""
+
+
+def why(err: BaseException) -> str:
+    """An error in one line; for torch's weights-only unpickler, the line that says what it met
+    (its first line only says that it failed)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        detail = [line for line in lines[1:] if not line.startswith(("Please file", "Check the"))]
+        return f"{type(err).__name__}: {detail[0][:160] if detail else lines[0][:160]}"
+    return f"{type(err).__name__}: {first_line(err, 160)}"
+
 
 class SafePlanner(DefaultLoadPlanner):
     """DCP's default planner, but a saved value that is not a tensor (an epoch, the scheduler's
@@ -103,16 +141,21 @@ def complete_folder(path: Path) -> Path:
     try:
         SafeReader(folder).read_metadata()
     except Exception as err:  # noqa: BLE001 -- pickle errors, truncated file, ...
-        raise UserError(f"{folder / '.metadata'} is not a DCP checkpoint's metadata; not "
-                        f"loading it ({type(err).__name__}: {first_line(err, 120)})"
-                        ) from None
+        raise UserError(f"{folder / '.metadata'} is damaged or is not a DCP checkpoint's "
+                        f"metadata; not loading it ({type(err).__name__}: "
+                        f"{first_line(err, 120)})") from None
     return folder
 
 
-def root_cause(err: CheckpointException) -> str:
-    """DCP raises one CheckpointException for every rank's failures; the first one says why."""
+def first_failure(err: CheckpointException) -> BaseException | None:
+    """DCP raises one CheckpointException for every rank's failures (the same on every rank:
+    it is sent from the coordinator); the first one says why."""
     failure = next(iter(err.failures.values()), None)
-    cause = failure[0] if isinstance(failure, tuple) else failure
+    return failure[0] if isinstance(failure, tuple) else failure
+
+
+def root_cause(err: CheckpointException) -> str:
+    cause = first_failure(err)
     return f"{type(cause).__name__}: {first_line(cause, 160)}" if cause else str(err)
 
 
@@ -124,11 +167,16 @@ def one_line_errors(folder: Path):
     try:
         yield
     except CheckpointException as err:
-        cause = root_cause(err)
-        if cause.startswith("UnpicklingError"):
-            raise UserError(f"checkpoint {folder} holds something other than data; not loading "
-                            f"it ({cause})") from None
-        raise UserError(f"checkpoint {folder} does not fit this model ({cause})") from None
+        cause = first_failure(err)
+        if isinstance(cause, UnreadableFile):  # read, but not as a checkpoint's file
+            path, reason = cause.args
+            if "unsupported global" in reason.lower():  # a class or function: code
+                raise UserError(f"checkpoint file {path} holds something other than data; not "
+                                f"loading it ({reason})") from None
+            raise UserError(f"checkpoint file {path} is damaged or unreadable; not loading it "
+                            f"({reason})") from None
+        raise UserError(f"checkpoint {folder} does not fit this model ({root_cause(err)})"
+                        ) from None
 
 
 def load(state: dict, folder: Path) -> None:
@@ -147,19 +195,85 @@ def rng_state(folder: Path, run) -> dict | None:
         return None
     path = folder / f"rng-rank{run.rank}.pt"
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)  # to the CPU: see 07
-    except Exception as err:  # noqa: BLE001 -- not plain data, truncated, ...
-        raise UserError(f"{path} is not a random state; not loading it ({type(err).__name__}: "
+        state = torch.load(path, map_location="cpu", weights_only=True)  # to the CPU: see 07
+    except Exception as err:  # noqa: BLE001 -- not plain data, empty, truncated, ...
+        raise UserError(f"{path} is damaged or is not a random state; not loading it "
+                        f"({why(err)})") from None
+    if not (isinstance(state, dict) and torch.is_tensor(state.get("cpu"))
+            and state["cpu"].dtype == torch.uint8):
+        raise UserError(f"{path} is damaged or is not a random state; not loading it (a "
+                        f"{type(state).__name__} without a CPU random state)")
+    return state
+
+
+# ---------------------------------------------------------------- which run wrote a checkpoint
+RUN_FILE = "run.json"  # the settings of the run that wrote the folder: plain JSON, no code
+
+
+def saved_settings(folder: Path) -> dict | None:
+    """The settings run.json records (None in a folder written before it existed)."""
+    path = Path(folder) / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # (a UnicodeDecodeError is a ValueError)
+        raise UserError(f"{path} is damaged or unreadable ({type(err).__name__}: "
                         f"{first_line(err, 120)})") from None
+
+
+def own_checkpoint(latest: Path, settings: dict, run) -> Path | None:
+    """Step 07's own_checkpoint, for a DCP folder: the link `latest` if this run's settings
+    wrote the folder it names. Another run's checkpoint in the same --out-dir (a finished one,
+    say) is left alone: adopting it would report that run's results under this run's flags."""
+    if not latest.exists():  # (a link to nothing does not exist)
+        return None
+    differ = fault_tolerance.differences(saved_settings(latest), settings, settings)
+    if differ:
+        log(run, f"not resuming from {latest}: another run wrote it ({', '.join(differ)}); "
+                 f"starting afresh")
+        return None
+    return latest
+
+
+def check_same_sample_order(folder: Path, position: dict, settings: dict) -> None:
+    """Step 07's check: a checkpoint from the middle of an epoch continues only with the data,
+    seed and global batch that wrote it; otherwise one line naming what differs."""
+    fault_tolerance.check_same_sample_order(
+        {"position": position if position["step"] else None, "run": saved_settings(folder)},
+        settings, folder)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """A temporary file, fsync, then a rename: `path` is whole or absent, never cut short."""
+    tmp = path.with_name(f".{path.name}.tmp")  # (one writer per file: each rank its own)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def is_write_failure(err: BaseException | None) -> bool:
+    """A save failed on its disk: an OSError (a full disk: ENOSPC, a quota, ...) or torch's
+    zip writer failing (RuntimeError "[enforce fail at inline_container.cc...]"). Not a peer
+    lost mid-save (gloo's RuntimeError), which errors.run_main explains."""
+    return isinstance(err, OSError) or (isinstance(err, RuntimeError) and any(
+        marker in str(err) for marker in ("inline_container", "PytorchStreamWriter")))
 
 
 class Commits:
     """One checkpoint at a time: new_folder() waits for the previous save and commits it, then
-    prepares the next folder; started() takes the save's future (dcp.async_save's), finish()
-    waits for it and commits it (every rank's shards written, then rank 0 switches the link)."""
+    prepares the next folder (every rank's random state, and the run's settings); started()
+    takes the save's future (dcp.async_save's), finish() waits for it and commits it (every
+    rank's shards written, then rank 0 switches the link). A save that fails to write on any
+    rank fails on every rank, with one line: its folder is removed (abandon)."""
 
-    def __init__(self, out_dir: Path, run):
-        self.out_dir, self.run, self.pending = out_dir, run, None
+    def __init__(self, out_dir: Path, run, settings: dict):
+        self.out_dir, self.run, self.settings, self.pending = out_dir, run, settings, None
         self.folder, self.started_at = None, 0.0
 
     def new_folder(self, name: str, rng: dict) -> Path:
@@ -169,9 +283,36 @@ class Commits:
             shutil.rmtree(folder)
         dist.barrier()
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(rng, folder / f"rng-rank{self.run.rank}.pt")
+        failed = None
+        try:
+            state = io.BytesIO()
+            torch.save(rng, state)
+            write_atomically(folder / f"rng-rank{self.run.rank}.pt", state.getvalue())
+            if self.run.is_main:
+                write_atomically(folder / RUN_FILE, json.dumps(self.settings).encode())
+        except OSError as err:  # a full disk, ...
+            failed = checkpoint.write_failure(err, folder)
+        everyone = [None] * self.run.world_size
+        dist.all_gather_object(everyone, failed)  # so that every rank stops if one must
+        if any(everyone):
+            self.abandon(folder, next(reason for reason in everyone if reason))
         self.folder, self.started_at = folder, time.perf_counter()
         return folder
+
+    def abandon(self, folder: Path, reason: str) -> None:
+        """Every rank calls this: the folder goes, the link stays, and every rank says rank 0's
+        reason (the same line, printed once per machine; the free space each rank measured
+        differs)."""
+        said = [reason]
+        dist.broadcast_object_list(said, src=0)
+        reason = said[0]
+        if self.run.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+        dist.barrier()  # removed before any rank exits (torchrun then ends the others)
+        link = self.out_dir / "checkpoint"
+        kept = (f"the last complete checkpoint, {os.readlink(link)}, is unchanged"
+                if link.exists() else "no complete checkpoint was written before it")
+        raise UserError(f"could not write checkpoint {folder}: {reason}; removed it, {kept}")
 
     def started(self, future) -> None:
         self.pending = (future, self.folder, time.perf_counter() - self.started_at,
@@ -184,7 +325,10 @@ class Commits:
         self.pending = None
         try:
             future.result()
-        except CheckpointException as err:  # a peer died mid-save: see errors.run_main
+        except CheckpointException as err:  # every rank gets every rank's failures
+            if is_write_failure(first_failure(err)):  # a full disk, ...
+                self.abandon(folder, checkpoint.write_failure(first_failure(err), folder))
+            # A peer died mid-save: see errors.run_main
             raise RuntimeError(f"a checkpoint save failed ({root_cause(err)})") from None
         seconds = time.perf_counter() - started
         dist.barrier()  # every rank's shards are written

@@ -6,6 +6,7 @@ Every run is 2 epochs of 20 steps (conftest.RESTART_ARGS), or the first of them;
 a run are read back from its final DCP checkpoint, in this process, without a process group.
 """
 
+import io
 import os
 import pickle
 import shutil
@@ -126,21 +127,40 @@ def with_malicious_metadata(checkpoint: Path, folder: Path, marker: Path) -> Pat
     return folder
 
 
+def damaged_copy(checkpoint: Path, folder: Path, name: str, damage) -> Path:
+    """A copy of a real checkpoint with one file damaged: damage(its bytes) -> new bytes."""
+    shutil.copytree(checkpoint.resolve(), folder)
+    (folder / name).write_bytes(damage((folder / name).read_bytes()))
+    return folder
+
+
 def test_a_checkpoint_that_is_incomplete_of_another_model_or_malicious_is_one_line(runs,
                                                                                    tmp_path):
     unfinished = tmp_path / "checkpoint-epoch1-step4"  # what a killed save leaves: no .metadata
     unfinished.mkdir()
     (unfinished / "__0_0.distcp").write_bytes(b"half")
     marker = tmp_path / "code-ran"
-    malicious = with_malicious_metadata(runs["straight"]["out"] / "checkpoint",
-                                        tmp_path / "malicious", marker)
+    saved = runs["straight"]["out"] / "checkpoint"
+    malicious = with_malicious_metadata(saved, tmp_path / "malicious", marker)
+    # Damaged files (each torch error, as it was, said nothing of which file, or blamed the
+    # model): an emptied .metadata, a shard cut short, a shard overwritten with garbage.
+    empty = damaged_copy(saved, tmp_path / "empty", ".metadata", lambda data: b"")
+    cut = damaged_copy(saved, tmp_path / "cut", "__1_0.distcp", lambda data: data[:len(data) // 2])
+    garbage = damaged_copy(saved, tmp_path / "garbage", "__0_0.distcp",
+                           lambda data: bytes(range(256)) * 64 + data[256 * 64:])
     for command, resume, extra, expected in [
             ("train", unfinished, [], "is not a complete DCP checkpoint"),
-            ("train", runs["straight"]["out"] / "checkpoint", ["--width", "2"],
+            ("train", saved, ["--width", "2"],
              "does not fit this model (ValueError: Size mismatch"),
             ("train", malicious, [], "is not a DCP checkpoint's metadata; not loading it "
                                      "(UnpicklingError: posix.system is not allowed"),
-            ("export", malicious, [], "is not a DCP checkpoint's metadata")]:
+            ("export", malicious, [], "is not a DCP checkpoint's metadata"),
+            ("export", empty, [], f"{empty / '.metadata'} is damaged or is not a DCP "
+                                  f"checkpoint's metadata; not loading it (EOFError"),
+            ("train", cut, [], f"checkpoint file {cut / '__1_0.distcp'} is damaged or "
+                               f"unreadable; not loading it (RuntimeError: PytorchStreamReader"),
+            ("export", garbage, [], f"checkpoint file {garbage / '__0_0.distcp'} is damaged or "
+                                    f"unreadable; not loading it")]:
         proc = run_step(STEP, [command, "--data", "synthetic", "--train-samples", 96,
                                "--batch-size", 48, "--resume", resume, *extra,
                                "--out-dir", tmp_path / "out"], check=False)
@@ -168,3 +188,26 @@ def test_a_saved_value_or_random_state_that_would_run_code_is_refused(tmp_path):
     dcp.load({"extra": {"epoch": 0}}, checkpoint_id=tmp_path)
     assert marker.exists()
 
+
+
+def torch_bytes(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda data: b"", r"\(EOFError"),
+    (lambda data: data[:len(data) // 2], r"\(RuntimeError: PytorchStreamReader"),
+    (lambda data: torch_bytes(7), r"\(a int without a CPU random state\)"),  # plain data
+])
+def test_an_empty_cut_or_foreign_random_state_file_is_one_line(runs, tmp_path, damage, expected):
+    """A rank's rng-rank<R>.pt, read when a mid-epoch checkpoint resumes on as many ranks."""
+    shutil.copytree((runs["straight"]["out"] / "checkpoint").resolve(), tmp_path,
+                    dirs_exist_ok=True)
+    path = tmp_path / "rng-rank1.pt"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(UserError, match=f"{path} is damaged or is not a random state; not "
+                                        f"loading it {expected}") as error:
+        dcp_checkpoint.rng_state(tmp_path, type("Run", (), {"world_size": 2, "rank": 1}))
+    assert "\n" not in str(error.value)

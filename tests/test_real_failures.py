@@ -56,6 +56,36 @@ def test_a_full_disk_during_a_save_is_one_line_keeps_the_last_checkpoint_and_end
     assert checkpoint.load(small_disk / "checkpoint.pt")["position"]["step"] == 4
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # loaded here, no group
+def test_a_full_disk_during_a_background_dcp_save_is_one_line_and_leaves_no_half_folder(
+        small_disk):
+    """Step 09, 2 ranks: the DCP checkpoint of step 2 (~9.7 MiB) fits, the one of step 4 hits
+    ENOSPC in dcp.async_save's background writes (an OSError or torch's RuntimeError, whichever
+    write meets the full disk first). Every rank learns it from DCP, so every rank ends with the
+    same line (printed once per machine), the half-written folder is removed, and the link
+    still names step 2's complete checkpoint."""
+    from plumbing import step09_dcp_checkpoint as dcp_checkpoint
+    proc = run_step("09_distributed_checkpoint.py", [
+        "--data", "synthetic", "--train-samples", 96, "--test-samples", 20, "--batch-size", 24,
+        "--epochs", 1, "--checkpoint-every", 2, "--quiet", "--out-dir", small_disk],
+        nproc=2, check=False, timeout=240)
+    assert proc.returncode != 0
+    assert_no_traceback(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: could not write checkpoint ") and (
+        "No space left on device" in errors[0] or "disk full?" in errors[0]), errors[0]
+    assert "removed it, the last complete checkpoint, checkpoint-epoch1-step2, is unchanged" \
+        in errors[0], errors[0]
+    assert "SIGKILL" not in proc.stderr, proc.stderr[-3000:]  # no rank had to be killed
+    assert sorted(p.name for p in small_disk.glob("*checkpoint*")) == [
+        "checkpoint", "checkpoint-epoch1-step2"]
+    folder = dcp_checkpoint.complete_folder(small_disk / "checkpoint")
+    state = {"extra": {"epoch": -1, "position": {"step": 0, "loss_sum": 0.0, "samples": 0}}}
+    dcp_checkpoint.load(state, folder)  # the previous checkpoint loads
+    assert state["extra"]["position"]["step"] == 2
+
+
 SAVE_FOREVER = textwrap.dedent("""
     import sys
     import torch
@@ -123,3 +153,13 @@ def test_the_timeline_names_an_empty_trace(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("error: ") and "rank0.1.pt.trace.json" in proc.stderr
     assert not (tmp_path / "out.png").exists()
+
+
+def test_a_random_state_file_that_meets_a_full_disk_is_absent_not_cut(small_disk):
+    """Step 09's per-rank files (rng-rank<R>.pt, run.json) are written through a temporary
+    file, fsync and a rename: a full disk leaves neither a cut file nor the temporary one."""
+    from plumbing import step09_dcp_checkpoint as dcp_checkpoint
+    (small_disk / "filler").write_bytes(b"\0" * (12 * 2**20 - 2**18))  # all but 256 KiB
+    with pytest.raises(OSError, match="No space left"):
+        dcp_checkpoint.write_atomically(small_disk / "rng-rank0.pt", b"\1" * 2**20)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]

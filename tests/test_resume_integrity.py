@@ -6,8 +6,12 @@ sample indices are logged (tests/rank_probe.py). Resumed on 1 rank with the same
 the two runs together train every sample of the epoch exactly once. Resumed with another batch
 or seed (which would skip and repeat samples), it is refused in one line naming what differs.
 A restart in an --out-dir holding another run's checkpoint starts afresh instead of adopting it.
+Step 09 (DCP checkpoint folders, which record the settings in run.json) is held to the same.
 """
 
+import json
+import os
+import re
 import shutil
 
 import pytest
@@ -83,3 +87,60 @@ def test_a_restart_does_not_adopt_another_runs_checkpoint(stopped, args, tmp_pat
     assert "train_samples 480 -> 240" in proc.stdout
     mine = checkpoint.load(tmp_path / "checkpoint.pt")
     assert mine["epoch"] == 1 and mine["run"]["seed"] == 1 and mine["run"]["train_samples"] == 240
+
+
+# Step 09: the same promises for its DCP checkpoint folders (the settings are in run.json).
+STEP_09 = "09_distributed_checkpoint.py"
+
+
+@pytest.fixture(scope="module")
+def stopped_09(args, tmp_path_factory):
+    """09 on 2 ranks, stopped mid-epoch as 07 is above; its checkpoint is a DCP folder."""
+    out = tmp_path_factory.mktemp("stopped_09")
+    proc = run_step(STEP_09, [*args, "--out-dir", out], nproc=2, probe_dir=out / "probe",
+                    env_extra={"PROBE_SIGNAL": "0:2:SIGTERM"}, check=False)
+    assert "(SIGTERM): checkpoint saved" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    step = int(re.search(r"stopping at step (\d+) of epoch 1", proc.stdout).group(1))
+    assert 2 <= step < SAMPLES // BATCH, step  # stopped mid-epoch
+    return out, step
+
+
+def test_09_a_mid_epoch_resume_on_another_world_size_trains_every_sample_once(stopped_09, args,
+                                                                               tmp_path):
+    stopped, step = stopped_09
+    proc = run_step(STEP_09, [*args, "--resume", stopped / "checkpoint", "--out-dir", tmp_path],
+                    probe_dir=tmp_path / "probe")
+    assert f"at step {step} of epoch 1" in proc.stdout, proc.stdout
+    before = trained(stopped / "probe", 0) + trained(stopped / "probe", 1)
+    assert len(before) == step * BATCH
+    assert sorted(before + trained(tmp_path / "probe", 0)) == list(range(SAMPLES))
+
+
+def test_09_a_mid_epoch_resume_with_another_batch_or_seed_is_refused(stopped_09, args, tmp_path):
+    stopped, _ = stopped_09
+    proc = run_step(STEP_09, [*args, "--batch-size", 48, "--seed", 1, "--resume",
+                              stopped / "checkpoint", "--out-dir", tmp_path], check=False)
+    assert proc.returncode == 2
+    assert_no_traceback(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "middle of an epoch" in errors[0] and "skip some samples" in errors[0]
+    assert "seed 0 -> 1" in errors[0] and "global_batch 24 -> 48" in errors[0], errors[0]
+    assert not list(tmp_path.glob("checkpoint*")) and not (tmp_path / "summary.json").exists()
+
+
+def test_09_a_restart_does_not_adopt_another_runs_checkpoint(stopped_09, args, tmp_path):
+    """A requeued job whose --out-dir holds another run's DCP checkpoint (the folder and the
+    link to it) starts afresh; its own checkpoint then records its settings."""
+    stopped, _ = stopped_09
+    folder = (stopped / "checkpoint").resolve()
+    shutil.copytree(folder, tmp_path / folder.name)
+    (tmp_path / "checkpoint").symlink_to(folder.name)
+    proc = run_step(STEP_09, [*args, "--seed", 1, "--train-samples", 240,
+                              "--out-dir", tmp_path], env_extra={"SLURM_RESTART_COUNT": 1})
+    assert "resumed" not in proc.stdout
+    assert "another run wrote it" in proc.stdout and "seed 0 -> 1" in proc.stdout, proc.stdout
+    assert "train_samples 480 -> 240" in proc.stdout
+    mine = json.loads((tmp_path / "checkpoint" / "run.json").read_text())
+    assert mine["seed"] == 1 and mine["train_samples"] == 240
+    assert os.readlink(tmp_path / "checkpoint") == "checkpoint-epoch1-end"
