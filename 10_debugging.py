@@ -231,7 +231,7 @@ def main():
     turn_on_tools()
     run, checked = setup(args)
     train_set, test_set = data.load_datasets(args, run, download=run.is_main)
-    plan = common.plan_batches(args.batch_size, run.world_size, None, len(train_set))
+    plan = common.plan_batches(args, run.world_size, len(train_set))
     common.log(run, f"10_debugging.py: world_size={run.world_size} "
                     f"{'bug=' + args.bug if args.bug else 'fixed'} timeout={args.timeout:g}s "
                     f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']} "
