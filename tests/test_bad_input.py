@@ -149,6 +149,15 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("09", ["--checkpoint-every", "1.5"], "not a whole number"),
     ("09", ["import"], "invalid choice: 'import'"),
     ("01", ["--max-mb", "0"], "--max-mb must be from 1 to 4096"),
+    # Weak scaling and the learning rate (issue 32): a scaling needs a per-rank batch to scale.
+    ("03", ["--batch-per-rank", "0"], "--batch-per-rank must be at least 1"),
+    ("03", ["--batch-size", "64", "--batch-per-rank", "32"],
+     "argument --batch-per-rank: not allowed with argument --batch-size"),
+    ("00", ["--lr-scaling", "linear"], "with --batch-size the global batch stays the same"),
+    ("07", ["--batch-size", "64", "--lr-scaling", "sqrt"], "nothing to scale --lr for"),
+    ("08", ["--lr-scaling", "cubic"], "invalid choice: 'cubic'"),
+    ("09", ["--batch-per-rank", "32", "--warmup-steps", "10"], "it needs --lr-scaling linear"),
+    ("02", ["--warmup-steps", "-1"], "--warmup-steps must be at least 0"),
     # Finite but absurd (issue 27): 0 ms once truncated, overflows.
     ("00", ["--timeout", "0.0001"], "--timeout must be from 1 to 604800"),
     ("03", ["--timeout", "1e300"], "--timeout must be from 1 to 604800"),
