@@ -165,6 +165,7 @@ def test_without_scaling_the_schedule_is_the_old_per_epoch_step_lr():
     expected = []
     for _ in range(4):
         expected += [old.get_last_lr()[0]] * 5
+        old_optimizer.step()  # (a scheduler steps after its optimizer)
         old.step()
     assert step_lrs(schedule, optimizer, 20) == pytest.approx(expected, rel=1e-14, abs=0)
     assert schedule.last_step_lr() == pytest.approx(0.05 * 0.7**3, rel=1e-14)
