@@ -15,9 +15,11 @@ from pathlib import Path
 from .errors import report
 
 SEED_LIMIT = 2**32  # numpy's legacy seeding, the narrowest of the RNGs we seed, takes 0 .. 2**32-1
-# --warmup-steps when --lr-scaling is on: long enough for SGD's momentum (0.9: it averages
-# over about 10 steps) to settle twice over before the rate is fully scaled; short against an
-# epoch (117 steps of MNIST at a global batch of 512), so that the scaled rate does the training.
+# --warmup-steps when --lr-scaling is on: twice the span SGD's momentum averages over (0.9: about
+# 10 steps), so the first updates, the largest, are not taken at the full scaled rate; short
+# against an epoch (117 steps of MNIST at a global batch of 512), so that the scaled rate does
+# the training. Measured (docs/benchmarks.md): enough at x2; at x4 (lr 0.2) neither 20 steps nor
+# none kept this CNN stable: the scaled rate itself was too high.
 WARMUP_STEPS = 20
 
 
