@@ -24,7 +24,7 @@ from plumbing import checkpoint, data, flags, metrics
 from plumbing.model import build_model
 
 
-def train_one_epoch(model, loader, optimizer, run, plan, progress):
+def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
     """One pass over the training set; returns the mean training loss."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
@@ -43,6 +43,7 @@ def train_one_epoch(model, loader, optimizer, run, plan, progress):
             (loss * len(micro_labels) / len(labels)).backward()
             loss_sum += loss.detach() * len(micro_labels)
         optimizer.step()
+        scheduler.step()  # the next step's learning rate (common.lr_schedule)
         samples += len(labels)
         progress.step(loss_sum, len(labels), samples)
     return loss_sum.item() / samples
@@ -58,15 +59,14 @@ def main():
     run = common.Run(common.choose_device(args.device), amp=args.amp)
     common.set_deterministic(args.deterministic)  # GPUs too: the same seed, the same bits
     train_set, test_set = data.load_datasets(args, run, download=True)
-    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
-                               len(train_set))
+    plan = common.plan_batches(args, run.world_size, len(train_set))
     common.announce(run, args, plan, __file__)
     train_loader = data.make_loader(train_set, plan.per_rank, run, args, shuffle=True)
     test_loader = data.make_loader(test_set, 1000, run, args)
 
     model = build_model(args, seed=args.seed).to(run.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     start_epoch = 0
     if args.resume:
         start_epoch = checkpoint.restore(args.resume, run, model, optimizer, scheduler)["epoch"]
@@ -78,10 +78,10 @@ def main():
             # epoch draws exactly what an uninterrupted run drew.
             common.seed_everything(args.seed, epoch)
             progress.start_epoch(epoch)
-            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, progress)
+            train_loss = train_one_epoch(model, train_loader, optimizer, scheduler, run, plan,
+                                         progress)
             samples_per_sec = progress.end_epoch()
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+            lr = scheduler.last_step_lr()  # the rate the epoch ended with
             test = evaluate(model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             checkpoint.save(args.out_dir / "checkpoint.pt", model, optimizer, scheduler,

@@ -57,7 +57,7 @@ def average_gradients(model, world_size):
         param.grad /= world_size
 
 
-def train_one_epoch(model, loader, optimizer, run, plan, progress):
+def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
     """One pass over the training set; returns the mean training loss."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
@@ -77,6 +77,7 @@ def train_one_epoch(model, loader, optimizer, run, plan, progress):
             loss_sum += loss.detach() * len(micro_labels)
         average_gradients(model, run.world_size)  # once per step, after all micro-batches
         optimizer.step()
+        scheduler.step()  # the next step's learning rate (common.lr_schedule)
         samples += len(labels)
         progress.step(loss_sum, len(labels), samples)
     totals = torch.tensor([loss_sum.item(), samples], dtype=torch.float64, device=run.device)
@@ -96,8 +97,7 @@ def main():
     args = flags.parser(__doc__, __file__).parse_args()  # every flag is checked here
     run = setup(args)
     train_set, test_set = data.load_datasets(args, run, download=run.is_main)
-    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
-                               len(train_set))
+    plan = common.plan_batches(args, run.world_size, len(train_set))
     common.announce(run, args, plan, __file__)
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
     # rank on: disjoint shares that together cover the set. When the set does not divide,
@@ -114,7 +114,7 @@ def main():
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)  # ... until rank 0's weights are copied to every rank
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     start_epoch = 0
     if args.resume:
         start_epoch = checkpoint.restore(args.resume, run, model, optimizer, scheduler)["epoch"]
@@ -127,10 +127,10 @@ def main():
             common.seed_everything(args.seed, epoch, run.rank)  # rank: its own dropout masks
             train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
             progress.start_epoch(epoch)
-            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, progress)
+            train_loss = train_one_epoch(model, train_loader, optimizer, scheduler, run, plan,
+                                         progress)
             samples_per_sec = progress.end_epoch()
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+            lr = scheduler.last_step_lr()  # the rate the epoch ended with
             test = evaluate(model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if run.is_main:  # all ranks hold the same weights: one writer is enough

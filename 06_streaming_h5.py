@@ -50,7 +50,7 @@ def use_srun_identity():
     env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
 
 
-def train_one_epoch(model, loader, optimizer, run, plan, progress):
+def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
     """One pass over the training set; returns the mean training loss."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
@@ -71,6 +71,7 @@ def train_one_epoch(model, loader, optimizer, run, plan, progress):
                 (loss * len(micro_labels) / len(labels)).backward()
             loss_sum += loss.detach() * len(micro_labels)
         optimizer.step()
+        scheduler.step()  # the next step's learning rate (common.lr_schedule)
         samples += len(labels)
         progress.step(loss_sum, len(labels), samples)
     totals = torch.tensor([loss_sum.item(), samples], dtype=torch.float64, device=run.device)
@@ -199,8 +200,7 @@ def main():
                     f"{len(test_set)} test samples (in memory)")
     if args.command == "prepare":
         return dist.destroy_process_group()
-    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
-                               train_count)
+    plan = common.plan_batches(args, run.world_size, train_count)
     compiled = args.compile if args.compile is not None else run.device.type == "cuda"
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     train_set = StreamingDigits(args.h5, train_count, chunk, plan.per_rank, run.rank,
@@ -220,7 +220,7 @@ def main():
                 device_ids=[run.device] if run.device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     start_epoch = 0
     if args.resume:
         start_epoch = checkpoint.restore(args.resume, run, raw_model, optimizer,
@@ -234,10 +234,10 @@ def main():
             common.seed_everything(args.seed, epoch, run.rank)  # rank: its own dropout masks
             train_set.set_epoch(epoch)  # a new chunk order each epoch, the same on every rank
             progress.start_epoch(epoch)
-            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, progress)
+            train_loss = train_one_epoch(model, train_loader, optimizer, scheduler, run, plan,
+                                         progress)
             samples_per_sec = progress.end_epoch()
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+            lr = scheduler.last_step_lr()  # the rate the epoch ended with
             # The raw model, not DDP: DDP's forward broadcasts the module's buffers (BatchNorm's
             # statistics; this CNN has none) from rank 0, and test shards can differ in size,
             # so a rank with one batch more would wait in a broadcast no peer joins.

@@ -55,7 +55,8 @@ def use_srun_identity():
 EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # steps done, and their sums
 
 
-def train_one_epoch(model, loader, optimizer, run, plan, progress, position, rng, after_step):
+def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, position, rng,
+                    after_step):
     """One pass over the training set, or the rest of it after a mid-epoch checkpoint (its
     `position` and `rng`); returns the mean training loss, or None when after_step says stop."""
     model.train()
@@ -80,6 +81,7 @@ def train_one_epoch(model, loader, optimizer, run, plan, progress, position, rng
             (loss * len(micro_labels) / len(labels)).backward()
             loss_sum += loss.detach() * len(micro_labels)
         optimizer.step()
+        scheduler.step()  # the next step's learning rate (common.lr_schedule)
         samples += len(labels)
         progress.step(loss_sum, len(labels), samples)
         step += 1
@@ -167,8 +169,7 @@ def main():
     # filesystem the downloads land in temporary folders and are renamed into place, so two
     # nodes downloading at once cannot leave a half-written file.
     train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
-    plan = common.plan_batches(args.batch_size, run.world_size, args.max_device_batch,
-                               len(train_set))
+    plan = common.plan_batches(args, run.world_size, len(train_set))
     if args.mixed_precision is None:  # default: on GPUs that compute in bf16 natively
         args.mixed_precision = run.has_bf16
     common.announce(run, args, plan, __file__,
@@ -199,7 +200,7 @@ def main():
     common.log(run, sharded.describe_shards(model))  # "each rank holds N of the M ..."
     # The optimizer comes after shard(): it must hold the sharded parameters.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     latest = args.out_dir / "checkpoint.pt"
     settings = fault_tolerance.run_settings(__file__, args, plan, train_set)  # what this run is
     # Any rank restarted: all resume (an agent restarted only because another node failed
@@ -256,14 +257,13 @@ def main():
             train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
             train_sampler.skip = position["step"] * plan.per_rank  # what a checkpoint covers
             progress.start_epoch(epoch, steps_done=position["step"])
-            train_loss = train_one_epoch(model, train_loader, optimizer, run, plan, progress,
-                                         position, rng, after_step)
+            train_loss = train_one_epoch(model, train_loader, optimizer, scheduler, run, plan,
+                                         progress, position, rng, after_step)
             if train_loss is None:  # asked to stop, and checkpointed
                 raise SystemExit(fault_tolerance.EXIT_STOPPED)
             position, rng = EPOCH_START, None  # the next epoch starts at its beginning
             samples_per_sec = progress.end_epoch()
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+            lr = scheduler.last_step_lr()  # the rate the epoch ended with
             test = evaluate(model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             save(epoch + 1)

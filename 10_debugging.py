@@ -223,6 +223,8 @@ def main():
     parser.set_defaults(timeout=10, data="synthetic", train_samples=65, test_samples=21,
                         batch_size=16, epochs=2, quiet=True)
     args = parser.parse_args()
+    if args.lr_scaling != "none":  # a shared flag, but this step has no learning-rate schedule
+        parser.error("--lr-scaling: 10_debugging.py trains at a fixed --lr (steps 00-09 scale)")
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if args.bug and world_size != 2:  # checked before any work starts
         raise common.UserError(f"the planted bugs are sized for 2 processes, not {world_size}: "
@@ -231,7 +233,7 @@ def main():
     turn_on_tools()
     run, checked = setup(args)
     train_set, test_set = data.load_datasets(args, run, download=run.is_main)
-    plan = common.plan_batches(args.batch_size, run.world_size, None, len(train_set))
+    plan = common.plan_batches(args, run.world_size, len(train_set))
     common.log(run, f"10_debugging.py: world_size={run.world_size} "
                     f"{'bug=' + args.bug if args.bug else 'fixed'} timeout={args.timeout:g}s "
                     f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']} "

@@ -1,5 +1,5 @@
 """What every step shares: who a process is, device choice, process-group setup, seeding,
-the batch plan.
+the batch plan, the learning-rate schedule.
 
 Step 00 first needs it. Each numbered step keeps its own idea in its own file; what all of
 them need but none of them teaches lives here or, below it, in the plumbing/ package: the
@@ -22,6 +22,7 @@ import torch
 
 from plumbing.errors import UserError, run_main  # noqa: F401 -- the steps call common.run_main
 from plumbing.ranks import all_ranks_agree, join_group, log  # noqa: F401 -- steps call log
+from plumbing.schedule import LRSchedule
 
 
 # ---------------------------------------------------------------- who and where
@@ -161,29 +162,55 @@ class BatchPlan:
     per_rank: int  # samples each rank contributes per step
     micro_batch: int  # samples per forward/backward (<= --max-device-batch)
     accumulation_steps: int  # micro-batches per optimizer step
+    lr_batch: int  # the batch --lr is meant for: the global one, or with --batch-per-rank B, B
 
 
-def plan_batches(global_batch: int, world_size: int, max_device_batch: int | None,
-                 train_samples: int | None = None) -> BatchPlan:
+def plan_batches(args, world_size: int, train_samples: int | None = None) -> BatchPlan:
     """Split the global batch over ranks, and over micro-batches when a device cannot hold it.
 
-    Learning-rate rule: keeping the GLOBAL batch fixed while adding ranks keeps the optimisation
-    the same (each step averages the same number of samples), so the learning rate stays. If you
-    instead keep the per-device batch fixed, the global batch grows with the world size; the
-    usual starting point is then to scale the learning rate with it (Goyal et al., 2017).
+    --batch-size G keeps the GLOBAL batch fixed while ranks are added (strong scaling): each
+    step averages the same G samples, so N ranks compute what one process computes and the
+    learning rate stays. --batch-per-rank B keeps each rank's batch instead (weak scaling): the
+    global batch is B x world size, each epoch has fewer, larger steps, and --lr (meant for
+    one rank's B) may be scaled with the global batch: --lr-scaling, see lr_schedule.
     """
+    if args.batch_per_rank is not None:
+        global_batch, lr_batch, flag = args.batch_per_rank * world_size, args.batch_per_rank, (
+            f"--batch-per-rank {args.batch_per_rank} x {world_size} ranks = ")
+    else:
+        global_batch, lr_batch, flag = args.batch_size, args.batch_size, "--batch-size "
     if global_batch % world_size:
         nearest = max(1, round(global_batch / world_size)) * world_size
         raise UserError(f"--batch-size {global_batch} does not divide over {world_size} ranks; "
                         f"use a multiple of {world_size} (e.g. {nearest})")
     if train_samples is not None and global_batch > train_samples:
-        raise UserError(f"--batch-size {global_batch} is larger than the {train_samples} "
+        raise UserError(f"{flag}{global_batch} is larger than the {train_samples} "
                         f"training samples: an epoch would not fill one step")
     per_rank = global_batch // world_size
+    max_device_batch = args.max_device_batch
     steps = math.ceil(per_rank / max_device_batch) if max_device_batch else 1
     while per_rank % steps:  # equal micro-batches: every one weighs the same
         steps += 1
-    return BatchPlan(global_batch, per_rank, per_rank // steps, steps)
+    return BatchPlan(global_batch, per_rank, per_rank // steps, steps, lr_batch)
+
+
+# ---------------------------------------------------------------- the learning rate
+def lr_scale(args, plan: BatchPlan) -> float:
+    """What --lr-scaling multiplies --lr by once warmed up: k = global batch / the batch --lr is
+    meant for (the world size, with --batch-per-rank), or its square root. Goyal et al. (2017)
+    scale linearly: k times the batch averages the gradient over k times the samples, and k
+    small steps of SGD move about as far as one step of k times the rate, while the gradient
+    changes little between them. The square root keeps the update's noise the same instead
+    (Krizhevsky, 2014; Hoffer et al., 2017). Both are starting points: bench/ measures them."""
+    k = plan.global_batch / plan.lr_batch
+    return {"none": 1.0, "linear": k, "sqrt": math.sqrt(k)}[args.lr_scaling]
+
+
+def lr_schedule(optimizer, args, plan: BatchPlan, steps_per_epoch: int) -> LRSchedule:
+    """The learning rate of every optimizer step (plumbing/schedule.py): --lr x lr_scale after
+    a linear warm-up of --warmup-steps from --lr, times 0.7 per epoch. Step it after every
+    optimizer.step(); without scaling it is the per-epoch 0.7 decay of step 00."""
+    return LRSchedule(optimizer, lr_scale(args, plan), args.warmup_steps, steps_per_epoch)
 
 
 # ---------------------------------------------------------------- small helpers
@@ -191,6 +218,9 @@ def announce(run: Run, args, plan: BatchPlan, script: str, **extra) -> None:
     """The start-up line: what this run is, checkable before waiting for an epoch."""
     if args.amp and not run.amp:
         log(run, "note: --amp needs a GPU with bf16 support; training in float32")
+    if args.lr_scaling != "none":  # what --lr becomes, and how fast
+        extra = {"lr": f"{args.lr:g}x{lr_scale(args, plan):.3g} ({args.lr_scaling}, warm-up "
+                       f"{args.warmup_steps} steps)", **extra}
     details = "".join(f" {key}={value}" for key, value in extra.items())
     log(run, f"{os.path.basename(script)}: device={run.device} world_size={run.world_size} "
              f"batch={plan.global_batch} (= {run.world_size} rank{'s' * (run.world_size > 1)} x "

@@ -109,10 +109,13 @@ class Progress:
             step = min(bad_ranks.values())
             ranks = ", ".join(str(r) for r, s in bad_ranks.items() if s == step)
             amp = " or train in float32 (without --amp)" if self.run.amp else ""
+            lr, scaling = f"{self.args.lr:g}", getattr(self.args, "lr_scaling", "none")
+            if scaling != "none":  # the rate that diverged was --lr times the scale
+                lr += f", multiplied by --lr-scaling {scaling}), or a milder scaling ("
+                lr += "sqrt or none" if scaling == "linear" else "none"
             raise Diverged(f"the training loss became NaN or infinite at step {step} of epoch "
                            f"{self.epoch + 1} on rank {ranks}; stopped without saving it (the "
-                           f"last checkpoint is unchanged). Try a lower --lr (now "
-                           f"{self.args.lr:g}){amp}")
+                           f"last checkpoint is unchanged). Try a lower --lr (now {lr}){amp}")
 
     def _maybe_print(self, loss_sum: torch.Tensor, samples_so_far: int) -> None:
         now, done, total = time.perf_counter(), self.step_index, self.steps_per_epoch
@@ -191,6 +194,7 @@ class Metrics:
 
     def __init__(self, run, args):
         self.run, self.out_dir, self.writer, self.train_losses = run, args.out_dir, None, []
+        self.lrs = []  # the learning rate each epoch ended with
         # The model's training FLOPs per sample, counted once (flops.py): samples/s per rank
         # times this is the arithmetic each rank achieves, which MFU compares with its peak.
         self.flops_per_sample = training_flops_per_sample(args)
@@ -206,6 +210,7 @@ class Metrics:
                            f"weights became NaN or infinite; stopped without saving them. Try "
                            f"a lower --lr (now {lr:g})")
         self.train_losses.append(train_loss)
+        self.lrs.append(lr)
         rate = "n/a samples/s"
         if samples_per_sec is not None:
             per_rank = samples_per_sec / self.run.world_size * self.flops_per_sample
@@ -235,7 +240,9 @@ class Metrics:
             "device": str(self.run.device), "backend": getattr(self.run, "backend", None),
             "global_batch_size": plan.global_batch, "per_rank_batch_size": plan.per_rank,
             "micro_batch_size": plan.micro_batch, "accumulation_steps": plan.accumulation_steps,
-            "epochs": args.epochs, "seed": args.seed,
+            "epochs": args.epochs, "seed": args.seed, "lr": args.lr,
+            "lr_scaling": getattr(args, "lr_scaling", "none"),
+            "warmup_steps": getattr(args, "warmup_steps", 0), "lrs": self.lrs,
             "train_loss": self.train_losses[-1] if self.train_losses else None,
             "train_losses": self.train_losses, "test_loss": test["loss"],
             "test_accuracy": test["accuracy"], "test_correct": test["correct"],

@@ -109,14 +109,16 @@ SAMPLE_ORDER = ("step", "data", "train_samples", "seed", "global_batch")
 def run_settings(script: str, args, plan, train_set) -> dict:
     """What makes a run the same run, recorded in every checkpoint: the step, the data (its
     labels' fingerprint: MNIST and the synthetic digits differ) and its size, the seed, the
-    global batch, the model's shape and the learning rate. (Not the world size: with the same
-    global batch, any world size trains the same samples in the same steps.)"""
+    global batch, the model's shape and the learning rate, its scaling and warm-up. (Not the
+    world size: with the same global batch, any world size trains the same samples in the same
+    steps.)"""
     labels = getattr(train_set, "labels", None)
     fingerprint = (hashlib.sha1(labels.numpy().tobytes()).hexdigest()[:16]
                    if labels is not None else "unknown")
     return {"step": Path(script).name, "data": fingerprint, "train_samples": len(train_set),
             "seed": args.seed, "global_batch": plan.global_batch, "width": args.width,
-            "dropout": args.dropout, "lr": args.lr}
+            "dropout": args.dropout, "lr": args.lr, "lr_scaling": args.lr_scaling,
+            "warmup_steps": args.warmup_steps}
 
 
 def differences(saved, current: dict, keys) -> list[str]:

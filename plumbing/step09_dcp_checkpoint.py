@@ -45,6 +45,7 @@ from . import checkpoint, step07_fault_tolerance as fault_tolerance
 from .errors import UserError, first_line
 from .model import build_model
 from .ranks import log
+from .schedule import LRSchedule
 
 
 # ---------------------------------------------------------------- reading without running code
@@ -354,7 +355,7 @@ def export(path: Path | None, out: Path, args) -> None:
     folder = complete_folder(path)
     model = build_model(args, seed=args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    scheduler = LRSchedule(optimizer)  # the template: the saved state is copied as it is
     # Without a process group, dcp.load reads every shard of every rank into whole tensors:
     # the same safe load as a resume, into a plain model in this one process.
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -366,6 +367,7 @@ def export(path: Path | None, out: Path, args) -> None:
         load(state, folder)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+    scheduler.steps_per_epoch = state["extra"]["scheduler"]["steps_per_epoch"]  # no conversion
     scheduler.load_state_dict(state["extra"]["scheduler"])
     checkpoint.save(out, model, optimizer, scheduler, state["extra"]["epoch"])
     print(f"wrote {out}: the model, optimizer and scheduler after epoch "

@@ -117,7 +117,7 @@ def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):
 STEPS = {"00": "00_single_gpu.py", "01": "01_torch_dist_allreduce.py", "02": "02_manual_ddp.py",
          "02b": "02b_overlap_by_hand.py", "03": "03_ddp_wrapper.py", "04": "04_ddp_compile.py",
          "05": "05_multinode.py", "06": "06_streaming_h5.py", "07": "07_fault_tolerance.py",
-         "08": "08_fsdp2.py", "09": "09_distributed_checkpoint.py"}
+         "08": "08_fsdp2.py", "09": "09_distributed_checkpoint.py", "10": "10_debugging.py"}
 BAD_FLAGS = [  # (step, arguments, what the one line must say)
     *[(step, ["--epochs", value], "--epochs") for step in ("00", "03") for value in ("0", "-1")],
     ("00", ["--epochs", "1.5"], "not a whole number"),
@@ -149,6 +149,17 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("09", ["--checkpoint-every", "1.5"], "not a whole number"),
     ("09", ["import"], "invalid choice: 'import'"),
     ("01", ["--max-mb", "0"], "--max-mb must be from 1 to 4096"),
+    # Weak scaling and the learning rate (issue 32): a scaling needs a per-rank batch to scale.
+    ("03", ["--batch-per-rank", "0"], "--batch-per-rank must be at least 1"),
+    ("03", ["--batch-size", "64", "--batch-per-rank", "32"],
+     "argument --batch-per-rank: not allowed with argument --batch-size"),
+    ("00", ["--lr-scaling", "linear"], "with --batch-size the global batch stays the same"),
+    ("07", ["--batch-size", "64", "--lr-scaling", "sqrt"], "nothing to scale --lr for"),
+    ("08", ["--lr-scaling", "cubic"], "invalid choice: 'cubic'"),
+    ("09", ["--batch-per-rank", "32", "--warmup-steps", "10"], "it needs --lr-scaling linear"),
+    ("10", ["--fix", "--batch-per-rank", "8", "--lr-scaling", "linear"],
+     "10_debugging.py trains at a fixed --lr"),
+    ("02", ["--warmup-steps", "-1"], "--warmup-steps must be at least 0"),
     # Finite but absurd (issue 27): 0 ms once truncated, overflows.
     ("00", ["--timeout", "0.0001"], "--timeout must be from 1 to 604800"),
     ("03", ["--timeout", "1e300"], "--timeout must be from 1 to 604800"),

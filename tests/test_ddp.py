@@ -48,11 +48,15 @@ def runs(mnist_root, tmp_path_factory):
         "accumulate": ("03_ddp_wrapper.py", 2, ["--epochs", 1, "--no-dropout",
                                                 "--max-device-batch", 8]),
         "compiled": ("04_ddp_compile.py", 2, ["--epochs", 1, "--no-dropout"]),
+        # weak scaling: 24 per rank (not COMMON's global 48), --lr x2 after 3 warm-up steps
+        "weak": ("03_ddp_wrapper.py", 2, ["--epochs", 2, "--batch-per-rank", 24,
+                                          "--lr-scaling", "linear", "--warmup-steps", 3]),
     }
     result = {}
     for name, (script, nproc, extra) in plan.items():
         out = root / name
-        proc = run_step(script, [*COMMON, "--data-dir", mnist_root, *extra, "--out-dir", out],
+        common = COMMON[:-2] if "--batch-per-rank" in extra else COMMON  # not --batch-size
+        proc = run_step(script, [*common, "--data-dir", mnist_root, *extra, "--out-dir", out],
                         nproc=nproc, probe_dir=out / "probe")
         result[name] = {"out": out, "probe": out / "probe", "stdout": proc.stdout,
                         "summary": read_summary(out)}
@@ -107,6 +111,19 @@ def test_accumulating_micro_batches_equals_one_big_batch(runs):
     assert (summary["micro_batch_size"], summary["accumulation_steps"]) == (8, 3)
     assert max_difference(rank_params(runs["accumulate"]["probe"]),
                           rank_params(runs["two_ranks"]["probe"])) < ORDER
+
+
+def test_batch_per_rank_grows_the_global_batch_and_scales_the_learning_rate(runs):
+    """--batch-per-rank 24 on 2 ranks: a global batch of 48, --lr 0.05 x 2 once the 3 warm-up
+    steps are done, x0.7 in the second epoch; the rate each epoch ended with is in the summary
+    (and TensorBoard), the scaling in the start-up line."""
+    summary, stdout = runs["weak"]["summary"], runs["weak"]["stdout"]
+    assert (summary["global_batch_size"], summary["per_rank_batch_size"]) == (48, 24)
+    assert "batch=48 (= 2 ranks x 24," in stdout
+    assert "lr=0.05x2 (linear, warm-up 3 steps)" in stdout
+    assert (summary["lr_scaling"], summary["warmup_steps"]) == ("linear", 3)
+    assert summary["lrs"] == pytest.approx([0.1, 0.07], rel=1e-12)
+    assert summary["train_losses"][1] < summary["train_losses"][0]
 
 
 def test_two_epochs_equal_one_epoch_plus_resume(runs):

@@ -106,19 +106,108 @@ def test_mnist_required_but_missing_fails_clearly(tmp_path):
 
 
 # ---------------------------------------------------------------- batch plan
+def batch_flags(batch_size=None, per_rank=None, max_device_batch=None, scaling="none",
+                warmup=0, lr=0.05):
+    """What flags.parser() hands plan_batches and lr_schedule."""
+    return SimpleNamespace(batch_size=batch_size, batch_per_rank=per_rank, lr=lr,
+                           max_device_batch=max_device_batch, lr_scaling=scaling,
+                           warmup_steps=warmup)
+
+
 def test_batch_plan_splits_the_global_batch():
-    plan = common.plan_batches(256, 4, None)
+    plan = common.plan_batches(batch_flags(256), 4)
     assert (plan.per_rank, plan.micro_batch, plan.accumulation_steps) == (64, 64, 1)
-    plan = common.plan_batches(96, 2, 20)  # 48 per rank, at most 20 at once -> 3 x 16
+    plan = common.plan_batches(batch_flags(96, max_device_batch=20), 2)  # 48 per rank, <= 20
     assert (plan.per_rank, plan.micro_batch, plan.accumulation_steps) == (48, 16, 3)
-    plan = common.plan_batches(14, 2, 3)  # 7 per rank is prime: 7 micro-batches of 1
+    plan = common.plan_batches(batch_flags(14, max_device_batch=3), 2)  # 7 is prime: 7 x 1
     assert (plan.micro_batch, plan.accumulation_steps) == (1, 7)
 
 
 @pytest.mark.parametrize("batch, world", [(100, 3), (2, 4)])
 def test_batch_plan_rejects_a_batch_that_does_not_divide(batch, world):
     with pytest.raises(common.UserError, match="does not divide"):
-        common.plan_batches(batch, world, None)
+        common.plan_batches(batch_flags(batch), world)
+
+
+def test_batch_per_rank_makes_the_global_batch_grow_with_the_world_size():
+    for world in (1, 2, 3):
+        plan = common.plan_batches(batch_flags(per_rank=48, max_device_batch=20), world)
+        assert (plan.global_batch, plan.per_rank, plan.lr_batch) == (48 * world, 48, 48)
+        assert (plan.micro_batch, plan.accumulation_steps) == (16, 3)
+    with pytest.raises(common.UserError, match=r"--batch-per-rank 64 x 4 ranks = 256 is larger "
+                                               r"than the 200 training samples"):
+        common.plan_batches(batch_flags(per_rank=64), 4, 200)
+
+
+# ---------------------------------------------------------------- the learning rate
+def step_lrs(schedule, optimizer, steps: int) -> list[float]:
+    """The rate of each of `steps` optimizer steps, stepping the schedule after each."""
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return lrs
+
+
+def sgd(lr=0.05):
+    return torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=lr, momentum=0.9)
+
+
+def test_without_scaling_the_schedule_is_the_old_per_epoch_step_lr():
+    """Without --lr-scaling, the per-step schedule gives every step of epoch e the rate that
+    StepLR(step_size=1, gamma=0.7), stepped once per epoch, gave it: up to the last bit (StepLR
+    multiplies by 0.7 once per epoch, the schedule computes 0.7 ** e)."""
+    flags = batch_flags(256)
+    plan, optimizer, old_optimizer = common.plan_batches(flags, 2), sgd(), sgd()
+    schedule = common.lr_schedule(optimizer, flags, plan, steps_per_epoch=5)
+    old = torch.optim.lr_scheduler.StepLR(old_optimizer, step_size=1, gamma=0.7)
+    expected = []
+    for _ in range(4):
+        expected += [old.get_last_lr()[0]] * 5
+        old_optimizer.step()  # (a scheduler steps after its optimizer)
+        old.step()
+    assert step_lrs(schedule, optimizer, 20) == pytest.approx(expected, rel=1e-14, abs=0)
+    assert schedule.last_step_lr() == pytest.approx(0.05 * 0.7**3, rel=1e-14)
+
+
+@pytest.mark.parametrize("scaling, scale", [("linear", 4.0), ("sqrt", 2.0)])
+def test_scaling_multiplies_the_rate_after_a_linear_warm_up(scaling, scale):
+    """4 ranks x 64: --lr (meant for 64) x4 (linear) or x2 (sqrt), reached over 8 steps from
+    --lr itself; then 0.7 per epoch of 10 steps (Goyal et al.'s gradual warm-up)."""
+    flags = batch_flags(per_rank=64, scaling=scaling, warmup=8)
+    plan, optimizer = common.plan_batches(flags, 4), sgd()
+    assert common.lr_scale(flags, plan) == scale
+    lrs = step_lrs(common.lr_schedule(optimizer, flags, plan, steps_per_epoch=10), optimizer, 30)
+    ramp = [0.05 * (1 + (scale - 1) * step / 8) for step in range(8)]
+    expected = ramp + [0.05 * scale] * 2 + [0.05 * scale * 0.7] * 10 + [0.05 * scale * 0.49] * 10
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    assert lrs[0] == 0.05  # the warm-up starts from --lr itself
+
+
+def test_a_resumed_schedule_continues_exactly_and_keeps_epochs_on_another_world_size():
+    """A checkpoint's schedule: the same run continues bit for bit, mid-epoch too; a run with
+    other steps per epoch (at an epoch's end, on another world size under --batch-per-rank)
+    continues at the next epoch's rate, with its own scale."""
+    flags = batch_flags(per_rank=32, scaling="linear", warmup=4)
+    optimizer = sgd()
+    schedule = common.lr_schedule(optimizer, flags, common.plan_batches(flags, 2), 6)
+    saved = {}
+    for steps in (9, 3):  # epoch 2, step 3 of 6; then the end of epoch 2
+        step_lrs(schedule, optimizer, steps)
+        saved[steps] = schedule.state_dict(), optimizer.state_dict()
+    straight = step_lrs(schedule, optimizer, 3)
+    for world, steps_per_epoch, at in [(2, 6, 9), (4, 3, 3)]:
+        resumed_optimizer = sgd()
+        resumed_optimizer.load_state_dict(saved[at][1])  # as checkpoint.restore: optimizer first
+        resumed = common.lr_schedule(resumed_optimizer, flags,
+                                     common.plan_batches(flags, world), steps_per_epoch)
+        resumed.load_state_dict(saved[at][0])
+        lrs = step_lrs(resumed, resumed_optimizer, 4)
+        if world == 2:
+            assert lrs[3:] == straight[:1] and lrs[:3] == [0.1 * 0.7] * 3  # bit for bit
+        else:  # epoch 3 of 3 steps at 4 x 0.05 x 0.7**2, then epoch 4
+            assert lrs == pytest.approx([0.2 * 0.49] * 3 + [0.2 * 0.343], rel=1e-12)
 
 
 # ---------------------------------------------------------------- step 01: collectives

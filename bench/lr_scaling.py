@@ -1,0 +1,128 @@
+"""Strong and weak scaling, and the learning rate: loss curves at equal samples seen.
+
+    python bench/lr_scaling.py                 # 8 configurations x 3 seeds, ~10 min on 2 cores
+    python bench/lr_scaling.py --repeats 5 --samples 8192 --epochs 4
+
+Every configuration trains step 03 on the same data for the same epochs, so every curve has
+seen the same samples at each epoch's end; what differs is how many ranks share a step and how
+large and how fast the steps are:
+
+  fixed global batch (--batch-size B) on 1 and 2 ranks: strong scaling, the same computation;
+  --batch-per-rank B on 2 and 4 ranks: weak scaling, the global batch grows to 2B and 4B, so
+    an epoch has 1/2 and 1/4 of the steps; with the same --lr, with --lr-scaling linear (2 and
+    4 ranks) and sqrt (4) after the default warm-up, and linear without one (4).
+
+Dropout is off (--no-dropout): each rank draws its own masks, so with it the fixed-batch runs
+would differ by their masks, not by their batches. The repeats are seeds (the CPU repeats a
+seed bit for bit): the range is how much a curve moves from one seed to the next, which is
+what a difference between two configurations has to beat. Configurations are interleaved and
+the order rotates per repeat, as in run.py; here the numbers are losses, not speeds, so the
+machine's load does not change them. This is a benchmark, not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import REPO, machine  # noqa: E402
+
+
+def configs(opts) -> list[tuple[str, int, list]]:
+    """(name, ranks, flags) of every configuration."""
+    b = opts.per_rank_batch
+    fixed = [(f"fixed global batch {b}, {n} rank{'s' * (n > 1)}", n, ["--batch-size", b])
+             for n in (1, 2)]
+    weak = [(f"--batch-per-rank {b}, {n} ranks (global {n * b}), {scaling}", n,
+             ["--batch-per-rank", b, *extra])
+            for scaling, extra, worlds in [
+                ("same --lr", [], (2, 4)),
+                ("linear + warm-up", ["--lr-scaling", "linear"], (2, 4)),
+                ("sqrt + warm-up", ["--lr-scaling", "sqrt"], (4,)),
+                ("linear, no warm-up", ["--lr-scaling", "linear", "--warmup-steps", "0"], (4,))]
+            for n in worlds]
+    return fixed + weak
+
+
+def run_once(ranks: int, flags: list, seed: int, opts, out_dir: Path) -> dict:
+    """One run; its per-epoch train loss, test accuracy and learning rate."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", "03_ddp_wrapper.py", "--data", "synthetic",
+           "--train-samples", opts.samples, "--test-samples", opts.test_samples,
+           "--epochs", opts.epochs, "--no-dropout", "--quiet", "--device", "cpu",
+           "--seed", seed, *flags, "--out-dir", out_dir]
+    proc = subprocess.run([str(a) for a in cmd], cwd=REPO, text=True, capture_output=True,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-2000:]}\n"
+                         f"{proc.stderr[-3000:]}")
+    accuracy = [float(a) for a in re.findall(r"test accuracy ([\d.]+)%", proc.stdout)]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    return {"loss": summary["train_losses"], "accuracy": accuracy, "lrs": summary["lrs"],
+            "global_batch": summary["global_batch_size"]}
+
+
+def cell(values: list[float], digits: int) -> str:
+    med, lo, hi = statistics.median(values), min(values), max(values)
+    return f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def report(results: dict, opts) -> str:
+    epochs = range(opts.epochs)
+    lines = [f"Machine: {machine()}", "",
+             f"Step 03, synthetic digits, {opts.samples} training samples per epoch, "
+             f"{opts.test_samples} test samples, {opts.epochs} epochs, --lr 0.05 (SGD, momentum "
+             f"0.9, x0.7 per epoch), dropout off, 1 thread per rank; {opts.repeats} seeds "
+             f"(0-{opts.repeats - 1}), configurations interleaved; median (min-max) over the "
+             f"seeds. Every column has seen the same samples: epoch e = e x {opts.samples}.", ""]
+    for metric, title, digits in [("loss", "train loss (mean over the epoch)", 4),
+                                  ("accuracy", "test accuracy % (after the epoch)", 1)]:
+        lines += [f"**{title}**", "",
+                  "| configuration | steps/epoch | lr per epoch | "
+                  + " | ".join(f"epoch {e + 1}" for e in epochs) + " |",
+                  "| --- | --- | --- | " + " | ".join("---" for _ in epochs) + " |"]
+        for name, runs in results.items():
+            steps = -(-opts.samples // runs[0]["global_batch"])
+            lrs = ", ".join(f"{lr:.3g}" for lr in runs[0]["lrs"])
+            lines.append(f"| {name} | {steps} | {lrs} | " + " | ".join(
+                cell([run[metric][e] for run in runs], digits) for e in epochs) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="seeds 0 .. repeats-1")
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--test-samples", type=int, default=1000)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--per-rank-batch", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results-lr-scaling.md")
+    opts = parser.parse_args()
+    chosen = configs(opts)
+    results = {name: [] for name, _, _ in chosen}
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-lr-") as work:
+        for seed in range(opts.repeats):
+            shift = seed % len(chosen)
+            for i, (name, ranks, flags) in enumerate(chosen[shift:] + chosen[:shift]):
+                run = run_once(ranks, flags, seed, opts, Path(work) / f"run{i}")
+                results[name].append(run)
+                print(f"seed {seed}  {name:<70} loss {run['loss'][-1]:.4f}  "
+                      f"accuracy {run['accuracy'][-1]:.1f}%", flush=True)
+    table = report(results, opts)
+    opts.out.write_text(table)
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()
