@@ -135,7 +135,12 @@ def own_checkpoint(latest: Path, settings: dict, run) -> Path | None:
     it would report that run's results under this run's flags."""
     if not latest.is_file():
         return None
-    differ = differences(checkpoint.load(latest).get("run"), settings, settings)
+    return adopted(latest, checkpoint.load(latest).get("run"), settings, run)
+
+
+def adopted(latest: Path, saved: dict | None, settings: dict, run) -> Path | None:
+    """`latest` if the settings `saved` with it are this run's; else None, and a line why."""
+    differ = differences(saved, settings, settings)
     if differ:
         log(run, f"not resuming from {latest}: another run wrote it ({', '.join(differ)}); "
                  f"starting afresh")

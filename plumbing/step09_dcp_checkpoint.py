@@ -229,12 +229,7 @@ def own_checkpoint(latest: Path, settings: dict, run) -> Path | None:
     say) is left alone: adopting it would report that run's results under this run's flags."""
     if not latest.exists():  # (a link to nothing does not exist)
         return None
-    differ = fault_tolerance.differences(saved_settings(latest), settings, settings)
-    if differ:
-        log(run, f"not resuming from {latest}: another run wrote it ({', '.join(differ)}); "
-                 f"starting afresh")
-        return None
-    return latest
+    return fault_tolerance.adopted(latest, saved_settings(latest), settings, run)
 
 
 def check_same_sample_order(folder: Path, position: dict, settings: dict) -> None:
