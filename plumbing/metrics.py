@@ -109,13 +109,15 @@ class Progress:
             step = min(bad_ranks.values())
             ranks = ", ".join(str(r) for r, s in bad_ranks.items() if s == step)
             amp = " or train in float32 (without --amp)" if self.run.amp else ""
-            lr, scaling = f"{self.args.lr:g}", getattr(self.args, "lr_scaling", "none")
+            advice = f"a lower --lr (now {self.args.lr:g})"
+            scaling = getattr(self.args, "lr_scaling", "none")
             if scaling != "none":  # the rate that diverged was --lr times the scale
-                lr += f", multiplied by --lr-scaling {scaling}), or a milder scaling ("
-                lr += "sqrt or none" if scaling == "linear" else "none"
+                milder = "sqrt or none" if scaling == "linear" else "none"
+                advice = (f"a lower --lr (now {self.args.lr:g}, multiplied by --lr-scaling "
+                          f"{scaling}), or a milder scaling ({milder})")
             raise Diverged(f"the training loss became NaN or infinite at step {step} of epoch "
                            f"{self.epoch + 1} on rank {ranks}; stopped without saving it (the "
-                           f"last checkpoint is unchanged). Try a lower --lr (now {lr}){amp}")
+                           f"last checkpoint is unchanged). Try {advice}{amp}")
 
     def _maybe_print(self, loss_sum: torch.Tensor, samples_so_far: int) -> None:
         now, done, total = time.perf_counter(), self.step_index, self.steps_per_epoch

@@ -219,6 +219,20 @@ def test_a_nan_loss_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(mn
     assert not (tmp_path / "summary.json").exists()
 
 
+def test_a_nan_loss_under_lr_scaling_names_the_scaled_rate(mnist_root, tmp_path):
+    """With --lr-scaling the rate that diverged was --lr multiplied: the line says so, and
+    names the milder scalings."""
+    proc = run_step("03_ddp_wrapper.py", ["--data", "mnist", "--data-dir", mnist_root,
+                                          "--train-samples", 480, "--batch-per-rank", 24,
+                                          "--lr-scaling", "linear", "--epochs", 1,
+                                          "--out-dir", tmp_path],
+                    nproc=2, probe_dir=tmp_path / "probe", env_extra={"PROBE_NAN": "1:5"},
+                    check=False)
+    expect_one_error_line(proc, "NaN or infinite at step 6 of epoch 1 on rank 1",
+                          "a lower --lr (now 0.05, multiplied by --lr-scaling linear), or a "
+                          "milder scaling (sqrt or none)")
+
+
 # ---------------------------------------------------------------- files that are not ours
 def save_and_load(tmp_path, content):
     torch.save(content, tmp_path / "c.pt")

@@ -50,6 +50,17 @@ def trained(probe_dir, rank) -> list[int]:
     return [i for batch in fetched.get(SAMPLES, []) for i in batch]
 
 
+def assert_refused_naming_seed_and_batch(proc) -> None:
+    """A mid-epoch resume with --seed 1 and --batch-size 48 (the run had 0 and 24): one line,
+    exit 2, naming both."""
+    assert proc.returncode == 2
+    assert_no_traceback(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "middle of an epoch" in errors[0] and "skip some samples" in errors[0]
+    assert "seed 0 -> 1" in errors[0] and "global_batch 24 -> 48" in errors[0], errors[0]
+
+
 def test_a_mid_epoch_resume_on_another_world_size_trains_every_sample_once(stopped, args,
                                                                             tmp_path):
     proc = run_step(STEP, [*args, "--resume", stopped / "checkpoint.pt", "--out-dir", tmp_path],
@@ -66,12 +77,7 @@ def test_a_mid_epoch_resume_with_another_batch_or_seed_is_refused(stopped, args,
     saved = (stopped / "checkpoint.pt").read_bytes()
     proc = run_step(STEP, [*args, "--batch-size", 48, "--seed", 1, "--resume",
                            stopped / "checkpoint.pt", "--out-dir", tmp_path], check=False)
-    assert proc.returncode == 2
-    assert_no_traceback(proc)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
-    assert "middle of an epoch" in errors[0] and "skip some samples" in errors[0]
-    assert "seed 0 -> 1" in errors[0] and "global_batch 24 -> 48" in errors[0], errors[0]
+    assert_refused_naming_seed_and_batch(proc)
     assert (stopped / "checkpoint.pt").read_bytes() == saved
     assert not (tmp_path / "checkpoint.pt").exists() and not (tmp_path / "summary.json").exists()
 
@@ -120,12 +126,7 @@ def test_09_a_mid_epoch_resume_with_another_batch_or_seed_is_refused(stopped_09,
     stopped, _ = stopped_09
     proc = run_step(STEP_09, [*args, "--batch-size", 48, "--seed", 1, "--resume",
                               stopped / "checkpoint", "--out-dir", tmp_path], check=False)
-    assert proc.returncode == 2
-    assert_no_traceback(proc)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
-    assert "middle of an epoch" in errors[0] and "skip some samples" in errors[0]
-    assert "seed 0 -> 1" in errors[0] and "global_batch 24 -> 48" in errors[0], errors[0]
+    assert_refused_naming_seed_and_batch(proc)
     assert not list(tmp_path.glob("checkpoint*")) and not (tmp_path / "summary.json").exists()
 
 
