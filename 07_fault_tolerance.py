@@ -187,9 +187,9 @@ def main():
         dist.all_reduce(sums)  # the epoch's sums so far, over every rank's samples
         rng_states = [None] * run.world_size
         dist.all_gather_object(rng_states, fault_tolerance.rng_state())  # every rank's own
+        done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
+                "samples": position["samples"] + int(sums[1].item())}  # the epoch so far
         if run.is_main:  # all ranks hold the same weights: one writer is enough
-            done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
-                    "samples": position["samples"] + int(sums[1].item())}
             checkpoint.save(latest, raw_model, optimizer, scheduler, epochs_done,
                             position=done if step else None, rng=rng_states, run=settings)
         dist.barrier()  # no rank may read the checkpoint before it is complete

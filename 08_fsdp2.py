@@ -1,23 +1,20 @@
 """Step 08: shard instead of replicate. FSDP2, for a model too large for one device.
 
 Built on step 07. DDP keeps the whole model, its gradients and its optimizer state on every
-rank; `fully_shard` (FSDP2) keeps 1/N of each, gathers a layer's weights before it computes
-(all-gather) and sums and splits its gradients after backward (reduce-scatter). The model is
-built on the `meta` device (no memory), sharded, and filled from rank 0's one copy a tensor at
-a time. Not sharded: activations, a layer while gathered, gradients while they accumulate.
-Checkpoints are 07's: one file, gathered to rank 0's CPU (any world size resumes from it).
+rank; `fully_shard` (FSDP2) keeps 1/N of each: it gathers a layer's weights before computing with
+them and sums and splits their gradients after backward. Not sharded: activations, a layer while
+gathered, gradients while they accumulate. Checkpoints are 07's, gathered into rank 0's one file.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
         --max-restarts 3 08_fsdp2.py --checkpoint-every 100
     sbatch slurm/multinode.sh 08_fsdp2.py --hsdp  # shard within each node, replicate across
 
-Look for: "each rank holds 599,941 of the 1,199,882 parameters", and in summary.json each
-rank's "peak_memory_mib" (try --width 64; fc1 is 94% of this model: see the README).
+Look for: "each rank holds 599,941 of the 1,199,882 parameters"; peak_memory_mib in summary.json.
 
-Read also: plumbing/step08_fsdp2.py (restore into shards, what each rank holds),
-plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
+Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
 ignore_stop_signals, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
+And plumbing/step08_fsdp2.py: the one file restored into shards, and what each rank holds.
 """
 
 import argparse
@@ -96,9 +93,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, po
 
 def evaluate(model, loader, run):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
-    correct answers, samples), then the sums are added up over all ranks. Every forward is a
-    collective (an all-gather): a rank with fewer test batches runs blank ones, counting none.
-    Their number is agreed first: an all-reduce among the forwards would meet an all-gather."""
+    correct answers, samples), then the sums are added up over all ranks. Every forward
+    all-gathers weights, so a rank with fewer test batches runs blank ones, counting none. How
+    many is agreed before the first forward: an all-reduce among them would meet an all-gather."""
     most = torch.tensor(len(loader), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most test batches any rank has
     sums = metrics.test_sums(model, loader, run)
@@ -128,9 +125,8 @@ def report_topology(run):
 
 
 def shard(model, run, args):
-    """FSDP2: each layer's weights become DTensors, split over the ranks along their first
-    dimension; `p.to_local()` is this rank's part. Layers first, the root last: each call makes
-    one group that is gathered and scattered together."""
+    """FSDP2: each parameter becomes a DTensor split over the ranks along its first dimension
+    (`p.to_local()`: this rank's rows). One group per call, gathered and scattered together."""
     if args.hsdp:  # nodes x processes per node: replicate across nodes, shard within one
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
         mesh = init_device_mesh(run.device.type, (run.world_size // per_node, per_node),
@@ -150,8 +146,8 @@ def shard(model, run, args):
 
 def main():
     parser = flags.parser(__doc__, __file__)
-    parser.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction,
-                        help="bf16 compute, fp32 gradient sums (default: on GPUs with bf16)")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="compute in bf16 and sum gradients in fp32 (for GPUs with bf16)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                         default=True, help="free gathered weights after forward (default)")
     parser.add_argument("--hsdp", action="store_true",
@@ -170,8 +166,6 @@ def main():
     # nodes downloading at once cannot leave a half-written file.
     train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args, run.world_size, len(train_set))
-    if args.mixed_precision is None:  # default: on GPUs that compute in bf16 natively
-        args.mixed_precision = run.has_bf16
     common.announce(run, args, plan, __file__,
                     mixed_precision="bf16/fp32" if args.mixed_precision else "off")
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
@@ -225,15 +219,14 @@ def main():
         dist.all_reduce(sums)  # the epoch's sums so far, over every rank's samples
         rng_states = [None] * run.world_size
         dist.all_gather_object(rng_states, fault_tolerance.rng_state())  # every rank's own
+        done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
+                "samples": position["samples"] + int(sums[1].item())}  # the epoch so far
         # The whole state, gathered to rank 0's CPU a tensor at a time (the others get {}).
-        model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(
+        model_state, optim = get_state_dict(model, optimizer, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
-        if run.is_main:
-            done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
-                    "samples": position["samples"] + int(sums[1].item())}
-            checkpoint.save(latest, model_state, sharded.numbered(optim_state), scheduler,
-                            epochs_done, position=done if step else None, rng=rng_states,
-                            run=settings)
+        if run.is_main:  # the only rank that holds the gathered state
+            checkpoint.save(latest, model_state, sharded.numbered(optim), scheduler, epochs_done,
+                            position=done if step else None, rng=rng_states, run=settings)
         dist.barrier()  # no rank may read the checkpoint before it is complete
 
     def after_step(step, loss_sum, samples):

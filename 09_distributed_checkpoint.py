@@ -1,12 +1,10 @@
 """Step 09: every rank writes its own shards. Distributed checkpoints (DCP), on any world size.
 
-Built on step 08. 08 gathers the whole state to rank 0, which writes one file: the model FSDP
-exists for would not fit there. `dcp.async_save` has every rank write its own shards into one
-folder, in the background while training goes on (the call blocks only while the shards are
-copied to host memory), and `dcp.load` has every rank read the pieces it needs now: a
-checkpoint written by N ranks loads on M. `--resume` is exact at the same world size and global
-batch; on another world size the per-rank random streams differ. `export` writes one plain
-checkpoint.pt that step 00 loads.
+Built on step 08, whose rank 0 gathers the whole state into one file: the model FSDP exists for
+would not fit there. `dcp.async_save` has every rank write its own shards into one folder, in the
+background (training waits only while they are copied to host memory), and `dcp.load` has every
+rank read the pieces its shards need now: a checkpoint written by N ranks loads on M, exactly at
+the same world size. `export` writes one plain checkpoint.pt that step 00 loads.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -17,8 +15,9 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 
 Look for: "checkpoint ...: 0.0x s blocking training, then 0.x s in the background".
 
-Read also: plumbing/step09_dcp_checkpoint.py (the folder's atomic commit, the RNG files, export,
-reading without running code), plumbing/step08_fsdp2.py, plumbing/step07_fault_tolerance.py.
+Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
+ignore_stop_signals, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
+And plumbing/step09_dcp_checkpoint.py: a folder's atomic commit, the RNG files, export, safe reads.
 """
 
 import argparse
@@ -98,9 +97,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, po
 
 def evaluate(model, loader, run):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
-    correct answers, samples), then the sums are added up over all ranks. Every forward is a
-    collective (an all-gather): a rank with fewer test batches runs blank ones, counting none.
-    Their number is agreed first: an all-reduce among the forwards would meet an all-gather."""
+    correct answers, samples), then the sums are added up over all ranks. Every forward
+    all-gathers weights, so a rank with fewer test batches runs blank ones, counting none. How
+    many is agreed before the first forward: an all-reduce among them would meet an all-gather."""
     most = torch.tensor(len(loader), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most test batches any rank has
     sums = metrics.test_sums(model, loader, run)
@@ -130,9 +129,8 @@ def report_topology(run):
 
 
 def shard(model, run, args):
-    """FSDP2: each layer's weights become DTensors, split over the ranks along their first
-    dimension; `p.to_local()` is this rank's part. Layers first, the root last: each call makes
-    one group that is gathered and scattered together."""
+    """FSDP2: each parameter becomes a DTensor split over the ranks along its first dimension
+    (`p.to_local()`: this rank's rows). One group per call, gathered and scattered together."""
     if args.hsdp:  # nodes x processes per node: replicate across nodes, shard within one
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
         mesh = init_device_mesh(run.device.type, (run.world_size // per_node, per_node),
@@ -154,8 +152,8 @@ def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("command", nargs="?", choices=["train", "export"], default="train",
                         help="export: write the --resume checkpoint as one plain checkpoint.pt")
-    parser.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction,
-                        help="bf16 compute, fp32 gradient sums (default: on GPUs with bf16)")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="compute in bf16 and sum gradients in fp32 (for GPUs with bf16)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                         default=True, help="free gathered weights after forward (default)")
     parser.add_argument("--hsdp", action="store_true",
@@ -176,8 +174,6 @@ def main():
     # nodes downloading at once cannot leave a half-written file.
     train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args, run.world_size, len(train_set))
-    if args.mixed_precision is None:  # default: on GPUs that compute in bf16 natively
-        args.mixed_precision = run.has_bf16
     common.announce(run, args, plan, __file__,
                     mixed_precision="bf16/fp32" if args.mixed_precision else "off")
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
@@ -210,16 +206,16 @@ def main():
     latest = args.out_dir / "checkpoint"  # a link to the newest complete checkpoint folder
     settings = fault_tolerance.run_settings(__file__, args, plan, train_set)  # what this run is
     # Any rank restarted: all resume (an agent restarted only because another node failed
-    # does not count that restart), from this run's own checkpoint only (07's check, reading
-    # the folder's run.json). A fresh run starts fresh.
+    # does not count that restart), from this run's own checkpoint only: another run's, left in
+    # the same --out-dir, is not adopted. A fresh run starts fresh.
     if args.resume is None and common.all_ranks_agree(run, fault_tolerance.restarted(),
                                                            any_rank=True):
         args.resume = dcp_checkpoint.own_checkpoint(latest, settings, run)
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
         folder = dcp_checkpoint.complete_folder(args.resume)  # (its .metadata read safely)
-        model_state, optim_state = get_state_dict(model, optimizer)  # this run's shard layout
-        state = {"model": model_state, "optim": optim_state,
+        model_state, optim = get_state_dict(model, optimizer)  # this run's shard layout
+        state = {"model": model_state, "optim": optim,
                  "extra": {"epoch": 0, "position": dict(EPOCH_START),  # (loaded in place)
                            "scheduler": scheduler.state_dict()}}
         # Every rank reads the parts of the saved shards that its own shards need now, whatever
@@ -248,14 +244,14 @@ def main():
         sums = torch.tensor([0.0 if loss_sum is None else loss_sum.item(), samples],
                             dtype=torch.float64, device=run.device)
         dist.all_reduce(sums)  # the epoch's sums so far, over every rank's samples
-        done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item() if step else 0.0,
-                "samples": position["samples"] + int(sums[1].item()) if step else 0}
-        model_state, optim_state = get_state_dict(model, optimizer)  # this rank's shards
+        done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
+                "samples": position["samples"] + int(sums[1].item())}  # the epoch so far
+        model_state, optim = get_state_dict(model, optimizer)  # this rank's shards
         folder = saving.new_folder(f"epoch{epochs_done + 1}-step{step}" if step
                                    else f"epoch{epochs_done}-end", fault_tolerance.rng_state())
         # Blocks while this rank's shards are copied to host memory; the writing overlaps the
         # next steps, and the next save (or the end) waits for it, then commits the folder.
-        saving.started(dcp.async_save({"model": model_state, "optim": optim_state, "extra": {
+        saving.started(dcp.async_save({"model": model_state, "optim": optim, "extra": {
             "epoch": epochs_done, "position": done, "scheduler": scheduler.state_dict()}},
             checkpoint_id=folder, process_group=checkpoint_group))
         if wait:

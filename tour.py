@@ -8,9 +8,8 @@ Each step runs the way you would run it yourself (plain python, or torchrun with
 goes. The table at the end comes from the steps' own runs/tour/<step>/summary.json files: what
 each step adds, its world size, test accuracy and samples/s, and the diff to read next. Step
 04 compiles (once, 15-25 s on a CPU); every other step runs eagerly (`--no-compile` for the
-steps that compile by default on GPUs; `--no-mixed-precision` for 08 and 09, which compute in
-bf16 by default there) and with `--deterministic`, so that the steps that compute the same
-thing print the same accuracy on GPUs too, as they do on the CPU. Any step
+steps that compile by default on GPUs) and with `--deterministic`, so that the steps that
+compute the same thing print the same accuracy on GPUs too, as they do on the CPU. Any step
 that fails stops the tour with its exit code.
 """
 
@@ -48,10 +47,10 @@ STEPS = [
      "diff -u 05_multinode.py 07_fault_tolerance.py", ["--no-compile", "--checkpoint-every", "5"]),
     ("08_fsdp2.py", True, "FSDP2: shard weights, built on the meta device",
      "diff -u 07_fault_tolerance.py 08_fsdp2.py",
-     ["--no-mixed-precision", "--checkpoint-every", "5"]),
+     ["--checkpoint-every", "5"]),
     ("09_distributed_checkpoint.py", True, "DCP: every rank writes its own shards",
      "diff -u 08_fsdp2.py 09_distributed_checkpoint.py",
-     ["--no-mixed-precision", "--checkpoint-every", "5"]),
+     ["--checkpoint-every", "5"]),
     ("10_debugging.py", True, "side trip: planted hangs and the tools that find them",
      "read 10_debugging.py whole; then --bug skip", ["--fix"]),
 ]

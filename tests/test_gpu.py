@@ -89,15 +89,15 @@ def test_deterministic_gpu_runs_repeat_and_resume_bit_for_bit(mnist_root, tmp_pa
 @pytest.mark.parametrize("script, saved", [("08_fsdp2.py", "checkpoint.pt"),
                                            ("09_distributed_checkpoint.py", "checkpoint")])
 def test_fsdp2_trains_in_bf16_and_resumes(script, saved, mnist_root, tmp_path):
-    """On a GPU with native bf16, 08 and 09 compute in bf16 by default and reduce in fp32; 08
-    resumes from its gathered file, 09 from its DCP folder (the link to the newest)."""
+    """On a GPU with native bf16, 08 and 09 with --mixed-precision compute in bf16 and reduce in
+    fp32; 08 resumes from its gathered file, 09 from its DCP folder (the link to the newest)."""
     if not torch.cuda.is_bf16_supported(including_emulation=False):
-        pytest.skip("this GPU emulates bf16: 08 and 09 train in float32 on it")
-    proc, summary = train(script, ["--data-dir", mnist_root], tmp_path)
+        pytest.skip("this GPU emulates bf16: --mixed-precision is meant for native bf16")
+    proc, summary = train(script, ["--mixed-precision", "--data-dir", mnist_root], tmp_path)
     assert "mixed_precision=bf16/fp32" in proc.stdout, proc.stdout[-2000:]
     assert summary["test_accuracy"] > 0.3
-    proc, resumed = train(script, ["--data-dir", mnist_root, "--epochs", 2, "--resume",
-                                   tmp_path / saved], tmp_path)
+    proc, resumed = train(script, ["--mixed-precision", "--data-dir", mnist_root, "--epochs", 2,
+                                   "--resume", tmp_path / saved], tmp_path)
     assert len(resumed["train_losses"]) == 1 and resumed["test_accuracy"] > 0.3
 
 
