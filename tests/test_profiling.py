@@ -27,9 +27,14 @@ SCALARS = {"train/loss", "test/accuracy", "test/loss", "train/samples_per_sec", 
 PARTS = ("compute_ms", "exposed_comm_ms", "data_ms", "other_ms")
 # The parts partition each step exactly; only float rounding separates their sum from it.
 ADD_UP_MS = 1e-3
-# The plugin's Distributed view splits the same trace with its own code. Measured: within
-# 2.3 % of the step time; it counts the c10d call that hands a bucket to gloo as computation,
-# we count it as communication (the training thread cannot compute meanwhile).
+# The plugin's Distributed view splits the same trace with its own code. Two kinds of span it
+# splits differently: the c10d call that hands a bucket to gloo (communication to us, the
+# training thread cannot compute meanwhile; computation to it) and the DataLoader's __next__
+# (data loading to us; the plugin reads no loader annotation). The call takes ~0.1 ms, but up
+# to 11 ms when the 2-core test machine preempts the thread, and the splits compared as they
+# were once differed by 6 % of the step. So the test compares our split outside those spans,
+# plus the plugin's split inside them, with the plugin's: measured (82 rank-runs) within 2 us,
+# its rounding to whole microseconds.
 PLUGIN_AGREES = 0.05  # of the step time
 SERVER_READY_S = 45
 
@@ -60,6 +65,32 @@ def trace_events(out, name) -> list[dict]:
 def host_steps(events) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")
             and e.get("cat") != "gpu_user_annotation"]
+
+
+def plugin_split_of_calls_and_loader(out, summary) -> dict:
+    """How the plugin splits the spans our summary keeps apart from compute: the training
+    thread's c10d calls and the loader's __next__ (exposed communication and data loading to
+    us). Their ops are its computation ("ops"; overlapping where gloo runs), gloo's time
+    outside those ops its communication, the rest other. Per-step means, ms."""
+    events = trace_events(out, summary["trace"])
+    steps = host_steps(events)
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    on_trainer = [(e["pid"], e["tid"]) == (steps[0]["pid"], steps[0]["tid"]) for e in spans]
+
+    def union(pick):
+        return profiling._union(profiling._interval(e) for e, trainer in zip(spans, on_trainer)
+                                if pick(e, trainer))
+
+    apart = union(lambda e, trainer: trainer and (profiling._is_comm(e) or (
+        "DataLoader" in e["name"] and "__next__" in e["name"])))
+    ops = union(lambda e, trainer: trainer and e.get("cat") == "cpu_op")
+    gloo = union(lambda e, trainer: not trainer and profiling._is_comm(e))
+    in_ops, idle = profiling._intersect(apart, ops), profiling._subtract(apart, ops)
+    parts = {"ms": apart, "ops": in_ops, "overlapping": profiling._intersect(in_ops, gloo),
+             "communication": profiling._intersect(idle, gloo),
+             "other": profiling._subtract(idle, gloo)}
+    return {name: sum(profiling._length(profiling._intersect(part, [profiling._interval(s)]))
+                      for s in steps) / len(steps) / 1000 for name, part in parts.items()}
 
 
 def test_one_trace_per_rank_with_communication(ddp_run):
@@ -212,12 +243,17 @@ def test_tensorboard_serves_scalars_and_profiler_run(ddp_run, tensorboard):
         computation, overlapping, communication, other = (us / 1000 for us in
                                                           overlap[f"rank{rank}"])
         tolerance = PLUGIN_AGREES * ours["step_ms"]
-        # the plugin does not single out data loading: it is part of its computation
-        assert computation + overlapping == pytest.approx(
-            ours["compute_ms"] + ours["data_ms"], abs=tolerance)
-        assert overlapping == pytest.approx(ours["overlapped_comm_ms"], abs=tolerance)
-        assert communication == pytest.approx(ours["exposed_comm_ms"], abs=tolerance)
-        assert other == pytest.approx(ours["other_ms"], abs=tolerance)
+        # Outside the c10d calls and the loader we compare our split; inside, the plugin's
+        # (ours there is exposed communication and data loading, no compute and no other).
+        inside = plugin_split_of_calls_and_loader(ddp_run.out, ours)
+        assert computation + overlapping == pytest.approx(ours["compute_ms"] + inside["ops"],
+                                                          abs=tolerance)
+        assert overlapping == pytest.approx(ours["overlapped_comm_ms"] + inside["overlapping"],
+                                            abs=tolerance)
+        assert communication == pytest.approx(ours["exposed_comm_ms"] + ours["data_ms"]
+                                              - inside["ms"] + inside["communication"],
+                                              abs=tolerance)
+        assert other == pytest.approx(ours["other_ms"] + inside["other"], abs=tolerance)
 
 
 # ---------------------------------------------------------------- the overlap, as a picture
