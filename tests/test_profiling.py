@@ -27,15 +27,14 @@ SCALARS = {"train/loss", "test/accuracy", "test/loss", "train/samples_per_sec", 
 PARTS = ("compute_ms", "exposed_comm_ms", "data_ms", "other_ms")
 # The parts partition each step exactly; only float rounding separates their sum from it.
 ADD_UP_MS = 1e-3
-# The plugin's Distributed view splits the same trace with its own code. Two kinds of span it
-# splits differently: the c10d call that hands a bucket to gloo (communication to us, the
-# training thread cannot compute meanwhile; computation to it) and the DataLoader's __next__
-# (data loading to us; the plugin reads no loader annotation). The call takes ~0.1 ms, but up
-# to 11 ms when the 2-core test machine preempts the thread, and the splits compared as they
-# were once differed by 6 % of the step. So the test compares our split outside those spans,
-# plus the plugin's split inside them, with the plugin's: measured (82 rank-runs) within 2 us,
-# its rounding to whole microseconds.
-PLUGIN_AGREES = 0.05  # of the step time
+# The plugin's Distributed view splits the same trace with its own code, and files two kinds
+# of span otherwise than we do: the c10d call that hands a bucket to gloo (communication to us:
+# the training thread cannot compute meanwhile; computation to it) and the DataLoader's
+# __next__ (data loading to us; it reads no loader annotation). The call takes ~0.1 ms, but up
+# to 11 ms when the 2-core machine preempts the thread: compared as they were, the splits once
+# differed by 6 % of the step. So we compare our split outside those spans plus the plugin's
+# inside them: measured within 2 us over 82 rank-runs (its rounding to whole microseconds).
+PLUGIN_AGREES = 0.01  # of the step time
 SERVER_READY_S = 45
 
 
