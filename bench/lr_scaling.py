@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import REPO, machine  # noqa: E402
+from run import REPO, interleaved, machine  # noqa: E402
 
 
 def configs(opts) -> list[tuple[str, int, list]]:
@@ -112,13 +112,11 @@ def main():
     chosen = configs(opts)
     results = {name: [] for name, _, _ in chosen}
     with tempfile.TemporaryDirectory(prefix="ddp-bench-lr-") as work:
-        for seed in range(opts.repeats):
-            shift = seed % len(chosen)
-            for i, (name, ranks, flags) in enumerate(chosen[shift:] + chosen[:shift]):
-                run = run_once(ranks, flags, seed, opts, Path(work) / f"run{i}")
-                results[name].append(run)
-                print(f"seed {seed}  {name:<70} loss {run['loss'][-1]:.4f}  "
-                      f"accuracy {run['accuracy'][-1]:.1f}%", flush=True)
+        for seed, (name, ranks, flags) in interleaved(chosen, opts.repeats):  # seed = repeat
+            run = run_once(ranks, flags, seed, opts, Path(work) / "run")
+            results[name].append(run)
+            print(f"seed {seed}  {name:<70} loss {run['loss'][-1]:.4f}  "
+                  f"accuracy {run['accuracy'][-1]:.1f}%", flush=True)
     table = report(results, opts)
     opts.out.write_text(table)
     print("\n" + table)

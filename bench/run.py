@@ -297,6 +297,15 @@ def report(chosen: list[Config], opts) -> str:
     return "\n".join(lines) + "\n"
 
 
+def interleaved(configs: list, repeats: int):
+    """(repeat, configuration) in the order a benchmark runs them: every configuration once per
+    repeat, the order rotated each repeat, so that none always runs first (or after another)."""
+    for repeat in range(repeats):
+        shift = repeat % len(configs)
+        for config in configs[shift:] + configs[:shift]:
+            yield repeat, config
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -318,13 +327,11 @@ def main():
                             "--train-samples", str(opts.samples), "--test-samples", "500",
                             "--h5", str(Path(work) / "bench.h5"), "--out-dir",
                             str(Path(work) / "prepare")], cwd=REPO, check=True)
-        for repeat in range(opts.repeats):
-            shift = repeat % len(chosen)
-            for config in chosen[shift:] + chosen[:shift]:  # rotate the order each repeat
-                value = run_once(config, Path(work) / f"{config.row}-{config.name}".replace(" ", "_"))
-                config.values.append(value)
-                print(f"repeat {repeat + 1}/{opts.repeats}  {config.row:<11} {config.name:<40} "
-                      f"{value:,.1f}", flush=True)
+        for repeat, config in interleaved(chosen, opts.repeats):
+            value = run_once(config, Path(work) / f"{config.row}-{config.name}".replace(" ", "_"))
+            config.values.append(value)
+            print(f"repeat {repeat + 1}/{opts.repeats}  {config.row:<11} {config.name:<40} "
+                  f"{value:,.1f}", flush=True)
     table = report(chosen, opts)
     opts.out.write_text(table)
     print("\n" + table)

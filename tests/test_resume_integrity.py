@@ -31,13 +31,20 @@ def args(mnist_root):
             "--quiet"]
 
 
-@pytest.fixture(scope="module")
-def stopped(args, tmp_path_factory):
-    """2 ranks; rank 0 gets SIGTERM after its second step, and all stop at the next vote."""
-    out = tmp_path_factory.mktemp("stopped")
-    proc = run_step(STEP, [*args, "--out-dir", out], nproc=2, probe_dir=out / "probe",
+def stop_mid_epoch(script, args, out):
+    """2 ranks; rank 0 gets a real SIGTERM after its second step, and all stop at the next
+    vote, saving a checkpoint there."""
+    proc = run_step(script, [*args, "--out-dir", out], nproc=2, probe_dir=out / "probe",
                     env_extra={"PROBE_SIGNAL": "0:2:SIGTERM"}, check=False)
     assert "(SIGTERM): checkpoint saved" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def stopped(args, tmp_path_factory):
+    """07, stopped mid-epoch (stop_mid_epoch)."""
+    out = tmp_path_factory.mktemp("stopped")
+    stop_mid_epoch(STEP, args, out)
     position = checkpoint.load(out / "checkpoint.pt")["position"]
     assert 2 <= position["step"] < SAMPLES // BATCH, position  # stopped mid-epoch
     return out
@@ -103,9 +110,7 @@ STEP_09 = "09_distributed_checkpoint.py"
 def stopped_09(args, tmp_path_factory):
     """09 on 2 ranks, stopped mid-epoch as 07 is above; its checkpoint is a DCP folder."""
     out = tmp_path_factory.mktemp("stopped_09")
-    proc = run_step(STEP_09, [*args, "--out-dir", out], nproc=2, probe_dir=out / "probe",
-                    env_extra={"PROBE_SIGNAL": "0:2:SIGTERM"}, check=False)
-    assert "(SIGTERM): checkpoint saved" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    proc = stop_mid_epoch(STEP_09, args, out)
     step = int(re.search(r"stopping at step (\d+) of epoch 1", proc.stdout).group(1))
     assert 2 <= step < SAMPLES // BATCH, step  # stopped mid-epoch
     return out, step
