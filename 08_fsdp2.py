@@ -265,7 +265,7 @@ def main():
         test = evaluate(model, test_loader, run)
     if progress.first_step_seconds is not None:
         common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off costs: warm-up, "
-                        f"the compile if on), then {progress.samples_per_sec or 0:,.0f} samples/s")
+                        f"FSDP2's set-up), then {progress.samples_per_sec or 0:,.0f} samples/s")
     results.summary(__file__, args, plan, test, progress, nodes=nodes,  # + what each rank held
                     **sharded.held_per_rank(model, optimizer, run, memory_after_build))
     dist.destroy_process_group()
