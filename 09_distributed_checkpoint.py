@@ -16,7 +16,7 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 Look for: "checkpoint ...: 0.0x s blocking training, then 0.x s in the background".
 
 Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
-ignore_stop_signals, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
+ignore_stop_signals, check_restart_store), plumbing/step08_fsdp2.py (what each rank holds).
 And plumbing/step09_dcp_checkpoint.py: a folder's atomic commit, the RNG files, export, safe reads.
 """
 

@@ -101,7 +101,8 @@ def test_fewer_test_samples_than_ranks_evaluates_without_a_hang(tmp_path):
 
 def test_hybrid_sharding_on_two_agents_shards_within_each_node(mnist_root, tmp_path):
     """--hsdp on 2 "nodes" (torchrun agents on loopback) x 2 ranks: a 2-D mesh, replicated
-    across the nodes, sharded within each, here with --mixed-precision (bf16 compute, fp32 gradient sums)."""
+    across the nodes, sharded within each, here with --mixed-precision (bf16 compute, fp32
+    gradient sums)."""
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
