@@ -1,7 +1,7 @@
 """Shared test plumbing: small MNIST-format files, and launching steps as real processes.
 
 Every test here starts the tutorial's scripts the way a user does (plain python or torchrun)
-on the CPU with gloo. Each launch costs seconds (torch imports in ~3 s, a torchrun agent adds
+on the CPU with gloo, GPUs or not (see HIDE_GPUS; only test_gpu.py opts in). Each launch costs seconds (torch imports in ~3 s, a torchrun agent adds
 ~4 s), so tests share runs through module-scoped fixtures wherever one run proves several things.
 """
 
@@ -56,8 +56,16 @@ def shared_compile_cache(tmp_path_factory):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
 
 
-def base_env(**extra) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+# The CPU suite stays on the CPU on a machine with GPUs, in every process it starts: an empty
+# CUDA_VISIBLE_DEVICES hides every GPU from CUDA, so torch.cuda.is_available() is False there,
+# --device auto picks the CPU and the backend gloo. (Unpinned, two ranks of a two-agent test would
+# share cuda:0, which NCCL refuses, and gloo's timeout messages would be NCCL's.) Only
+# tests/test_gpu.py opts in, with gpus=True.
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def base_env(*, gpus: bool = False, **extra) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({} if gpus else HIDE_GPUS)}
     env.pop("RANK", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -81,14 +89,15 @@ def torchrun_cmd(nproc: int, *script_and_args, extra: tuple = ()) -> list[str]:
 
 def run_step(script: str, args: list, *, nproc: int | None = None, probe_dir: Path | None = None,
              env_extra: dict | None = None, torchrun_extra: tuple = (), check=True,
-             timeout=300):
-    """Start a step like a user: plain python (nproc=None) or torchrun with nproc ranks.
+             timeout=300, gpus: bool = False):
+    """Start a step like a user: plain python (nproc=None) or torchrun with nproc ranks, on the
+    CPU (gpus=False: see HIDE_GPUS) or on the GPUs this machine has (gpus=True).
 
     With probe_dir, the step runs under tests/rank_probe.py, which saves each rank's final
     parameters and the sample indices it fetched.
     """
     target = [script]
-    env = base_env(**(env_extra or {}))
+    env = base_env(gpus=gpus, **(env_extra or {}))
     if probe_dir is not None:
         probe_dir.mkdir(parents=True, exist_ok=True)
         target = [str(REPO / "tests" / "rank_probe.py"), script]

@@ -372,6 +372,10 @@ PartitionName=debug Nodes={','.join(self.NODES)} Default=YES MaxTime=INFINITE St
         bindir = os.path.dirname(sys.executable)  # not resolved: a venv's bin, not /usr/bin
         env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
         env["SLURM_CONF"] = str(self.conf)
+        # The emulated nodes compute on the CPU even on a machine with GPUs (conftest.HIDE_GPUS):
+        # this cluster has no GPU resources (no gres), so SLURM never sets the variable itself,
+        # and the job's torchrun and every worker inherit the empty value (--export=ALL).
+        env["CUDA_VISIBLE_DEVICES"] = ""
         # A test run inside a SLURM job must not leak that job's settings into ours.
         for key in list(env):
             if key.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and key != "SLURM_CONF":

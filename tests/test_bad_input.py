@@ -47,8 +47,7 @@ def test_unknown_flag(tmp_path):
 
 
 def test_cuda_asked_without_a_gpu(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+    """Runs on a GPU machine too: the step's process sees no GPU (conftest.HIDE_GPUS)."""
     proc = run_step("00_single_gpu.py", [*TINY, "--device", "cuda", "--out-dir", tmp_path],
                     check=False)
     expect_one_error_line(proc, "--device cuda", "no CUDA GPU")

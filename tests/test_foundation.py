@@ -285,6 +285,20 @@ def test_deterministic_mode_sets_what_gpus_need():
     assert out[1].split() == ["True", "True", "False", "True", ":4096:8"]
 
 
+def test_every_process_the_suite_starts_computes_on_the_cpu(monkeypatch, tmp_path):
+    """On a machine with GPUs the CPU suite stays on the CPU: a process it starts, and a job of
+    the emulated SLURM cluster, sees no GPU even when the parent was given one (here the
+    parent's variable names GPU 0, as on a GPU workstation)."""
+    from slurm_cluster import SlurmCluster
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    code = ("import os, torch, common; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), "
+            "torch.cuda.is_available(), common.choose_device('auto'))")
+    assert launch([sys.executable, "-c", code]).stdout.split() == ["''", "False", "cpu"]
+    assert SlurmCluster(tmp_path).env()["CUDA_VISIBLE_DEVICES"] == ""
+    assert base_env(gpus=True)["CUDA_VISIBLE_DEVICES"] == "0"  # test_gpu.py opts in
+
+
 # ---------------------------------------------------------------- FLOPs and MFU
 def test_training_flops_are_counted_layer_by_layer():
     """FlopCounterMode's count equals the count by hand: 2 FLOPs (multiply, add) per weight use

@@ -28,7 +28,7 @@ NOT_DETERMINISTIC = "does not have a deterministic implementation"  # torch's wa
 
 
 def train(script: str, args: list, out, nproc: int | None = RANKS, **kwargs):
-    proc = run_step(script, [*SMALL, *args, "--out-dir", out], nproc=nproc, **kwargs)
+    proc = run_step(script, [*SMALL, *args, "--out-dir", out], nproc=nproc, gpus=True, **kwargs)
     assert_no_traceback(proc)
     return proc, read_summary(out)
 
@@ -78,7 +78,8 @@ def test_deterministic_gpu_runs_repeat_and_resume_bit_for_bit(mnist_root, tmp_pa
                               ("--max-restarts", "1"))]:
         out = tmp_path / name
         proc = run_step("07_fault_tolerance.py", [*args, "--out-dir", out], nproc=RANKS,
-                        probe_dir=out / "probe", env_extra=env, torchrun_extra=extra)
+                        probe_dir=out / "probe", env_extra=env, torchrun_extra=extra,
+                        gpus=True)
         assert NOT_DETERMINISTIC not in proc.stdout + proc.stderr
         assert "deterministic=on" in proc.stdout
         runs[name] = rank_params(out / "probe")

@@ -14,7 +14,7 @@ import torch
 
 import common
 from plumbing import checkpoint
-from conftest import REPO, assert_no_traceback, launch, run_step, saved_checkpoint
+from conftest import REPO, assert_no_traceback, base_env, launch, run_step, saved_checkpoint
 
 
 @pytest.fixture
@@ -103,7 +103,8 @@ def test_a_temporary_file_left_by_a_kill_during_a_save_is_removed_by_the_next_sa
     path = tmp_path / "checkpoint.pt"
     left = []
     for attempt in range(5):  # until the kill lands inside a save (nearly always the first)
-        saver = subprocess.Popen([sys.executable, "-c", SAVE_FOREVER, str(path)], cwd=REPO)
+        saver = subprocess.Popen([sys.executable, "-c", SAVE_FOREVER, str(path)], cwd=REPO,
+                                 env=base_env())
         while not (left := list(tmp_path.glob(".checkpoint.pt.*.tmp"))):
             assert saver.poll() is None, "the saving process ended"
             time.sleep(0.01)
