@@ -27,20 +27,46 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .model import build_model
 
-# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, FLOP/s:
-# (name fragment as torch.cuda.get_device_name() shows it, bf16, tf32). V100 and T4 have
-# neither bf16 nor TF32: their fp32 peak stands in both columns.
-GPU_PEAKS = [
-    ("H200", 989e12, 494e12),
-    ("H100 PCIe", 756e12, 378e12),
-    ("H100", 989e12, 494e12),  # SXM
-    ("A100", 312e12, 156e12),
-    ("L40S", 362e12, 183e12),
-    ("A10", 125e12, 62.5e12),
-    ("L4", 121e12, 60e12),
-    ("V100", 15.7e12, 15.7e12),
-    ("T4", 8.1e12, 8.1e12),
-]
+# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, FLOP/s: (bf16, tf32) by
+# (model, variant) as torch.cuda.get_device_name() spells them, e.g. "NVIDIA H100 80GB HBM3",
+# "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB", "Tesla V100-PCIE-16GB". The model must match
+# exactly: as substrings, "L4" would match an L40, "A10" an A10G (AWS's variant, whose peak NVIDIA
+# does not publish: it is left unknown rather than guessed) and "H100" an H100 NVL. A variant
+# listed here (PCIe, NVL) must be one of the name's words; otherwise the model's main form (None:
+# SXM for H100/H200) applies. V100 and T4 have neither bf16 nor TF32: their fp32 peak stands in
+# both columns (--amp trains them in fp32).
+GPU_PEAKS = {
+    ("H200", None): (989e12, 494e12),
+    ("H200", "NVL"): (835e12, 418e12),
+    ("H100", None): (989e12, 494e12),  # SXM
+    ("H100", "PCIE"): (756e12, 378e12),
+    ("H100", "NVL"): (835e12, 418e12),
+    ("A100", None): (312e12, 156e12),  # SXM and PCIe alike
+    ("L40S", None): (362e12, 183e12),
+    ("L40", None): (181e12, 90.5e12),
+    ("A10", None): (125e12, 62.5e12),
+    ("L4", None): (121e12, 60e12),
+    ("V100", None): (15.7e12, 15.7e12),  # SXM2
+    ("V100", "PCIE"): (14e12, 14e12),
+    ("T4", None): (8.1e12, 8.1e12),
+}
+
+
+def gpu_peaks(name: str) -> tuple[float, float] | None:
+    """(bf16, tf32) peak FLOP/s of the GPU torch names `name`, or None for one not listed.
+
+    The name's words (split at spaces and dashes) after the vendor: the first is the model, and
+    the most specific listed variant among the others wins."""
+    words = name.upper().replace("-", " ").split()
+    if words and words[0] in ("NVIDIA", "TESLA"):
+        words = words[1:]
+    if not words:
+        return None
+    model, others = words[0], set(words[1:])
+    for (listed_model, variant), peaks in GPU_PEAKS.items():
+        if listed_model == model and variant in others:
+            return peaks
+    return GPU_PEAKS.get((model, None))
 
 
 def training_flops_per_sample(args) -> int:
@@ -59,11 +85,11 @@ def peak_flops(device: torch.device, bf16: bool) -> tuple[float | None, str]:
     """This rank's peak FLOP/s and where the number comes from (None where unknown)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for fragment, bf16_peak, tf32_peak in GPU_PEAKS:
-            if fragment in name:
-                precision = "bf16" if bf16 else "tf32"
-                return (bf16_peak if bf16 else tf32_peak), f"{name}, dense {precision} datasheet"
-        return None, f"{name}: peak unknown (add it to plumbing/flops.py GPU_PEAKS)"
+        peaks = gpu_peaks(name)
+        if peaks is None:
+            return None, f"{name}: peak unknown (add it to plumbing/flops.py GPU_PEAKS)"
+        precision = "bf16" if bf16 else "tf32"
+        return peaks[0] if bf16 else peaks[1], f"{name}, dense {precision} datasheet"
     threads = torch.get_num_threads()
     return threads * measured_cpu_peak(), (f"CPU: a float32 matmul measured here on one "
                                            f"thread, x {threads} thread(s) per rank")

@@ -314,6 +314,21 @@ def test_training_flops_are_counted_layer_by_layer():
     assert flops.training_flops_per_sample(SimpleNamespace(width=2)) > forward + backward
 
 
+@pytest.mark.parametrize("name, peaks", [
+    ("NVIDIA H100 80GB HBM3", (989e12, 494e12)), ("NVIDIA H100 PCIe", (756e12, 378e12)),
+    ("NVIDIA H100 NVL", (835e12, 418e12)), ("NVIDIA H200", (989e12, 494e12)),
+    ("NVIDIA A100-SXM4-80GB", (312e12, 156e12)), ("NVIDIA A100 80GB PCIe", (312e12, 156e12)),
+    ("NVIDIA L4", (121e12, 60e12)), ("NVIDIA L40", (181e12, 90.5e12)),
+    ("NVIDIA L40S", (362e12, 183e12)), ("NVIDIA A10", (125e12, 62.5e12)), ("NVIDIA A10G", None),
+    ("Tesla V100-SXM2-32GB", (15.7e12, 15.7e12)), ("Tesla V100-PCIE-16GB", (14e12, 14e12)),
+    ("Tesla T4", (8.1e12, 8.1e12)), ("NVIDIA GH200 480GB", None), ("NVIDIA RTX A6000", None),
+])
+def test_gpu_peaks_match_the_model_exactly(name, peaks):
+    """L4 is not an L40, A10 not an A10G, H100 SXM not an H100 NVL: a substring match got these
+    wrong, and MFU with them. An unlisted GPU gets no peak rather than a neighbour's."""
+    assert flops.gpu_peaks(name) == peaks
+
+
 def test_every_run_reports_flops_and_mfu(synthetic_runs):
     proc, summary, _ = synthetic_runs["synthetic"]
     assert summary["flops_per_sample"] == 71_565_312
