@@ -74,7 +74,7 @@ def step_breakdown(events: list[dict]) -> dict | None:
     which add up to the step, and beside them the communication hidden behind compute.
 
     Each step is partitioned in this order: compute (the training thread's ops, or on a GPU
-    its kernels), then communication where no compute runs (exposed), then data loading (the
+    the kernels it launched: see _gpu_breakdown), then communication where no compute runs (exposed), then data loading (the
     DataLoader's __next__) where neither runs; the rest is other (Python, waiting). Gloo's
     worker threads and NCCL's kernels communicate alongside compute: that part is overlapped.
     """
@@ -88,10 +88,8 @@ def step_breakdown(events: list[dict]) -> dict | None:
     trainer = [e for e in spans if (e["pid"], e["tid"]) == (steps[0]["pid"], steps[0]["tid"])]
     data = _union(_interval(e) for e in trainer
                   if "DataLoader" in e["name"] and "__next__" in e["name"])
-    if on_gpu:  # the host runs ahead of the GPU: only the device timeline shows busy time
-        device = [e for e in spans if e.get("cat") in DEVICE_CATEGORIES]
-        compute = _union(_interval(e) for e in device if not _is_comm(e))
-        comm = _union(_interval(e) for e in device if _is_comm(e))
+    if on_gpu:
+        return _gpu_breakdown(spans, steps, data)
     else:  # the loader's own ops are data loading, and a c10d call on the training thread
         # blocks it: communication, not compute, even where it runs ops of its own
         comm = _union(_interval(e) for e in spans if _is_comm(e))
@@ -101,6 +99,42 @@ def step_breakdown(events: list[dict]) -> dict | None:
     per_step = [_split_step(step, compute, comm, data) for step in steps]
     means = {key: sum(s[key] for s in per_step) / len(steps) for key in per_step[0]}
     return {"steps": len(steps), "timeline": "gpu" if on_gpu else "cpu", **means}
+
+
+def _gpu_breakdown(spans: list, steps: list, data: list) -> dict | None:
+    """The GPU's steps: the host runs ahead of the GPU, so a kernel often runs after the host
+    step that launched it has ended, inside the next host step's window. Each kernel (memcpy,
+    memset) therefore belongs to the step whose host window holds the CUDA runtime or driver
+    call that launched it, matched by the correlation id both carry (args["correlation"] on the
+    device event and on its cuda_runtime/cuda_driver event: torch 2.15's trace writers, Kineto's
+    and torch/profiler/_cuspy/trace.py, both write it). A step's device window runs from its
+    first kernel to the next step's first kernel (the last step: to its last kernel's end)."""
+    launches = {e["args"]["correlation"]: e["ts"] for e in spans
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and e.get("args", {}).get("correlation")}
+    owned = [[] for _ in steps]
+    for event in spans:
+        launched = launches.get(event.get("args", {}).get("correlation"))
+        if event.get("cat") not in DEVICE_CATEGORIES or launched is None:
+            continue
+        for number, step in enumerate(steps):
+            if step["ts"] <= launched <= step["ts"] + step["dur"]:
+                owned[number].append(event)
+    owned = [kernels for kernels in owned if kernels]
+    if not owned:
+        return None
+    starts = [min(e["ts"] for e in kernels) for kernels in owned]
+    ends = [*starts[1:], max(e["ts"] + e["dur"] for e in owned[-1])]
+    everything = _union(_interval(e) for kernels in owned for e in kernels)
+    per_step = []
+    for kernels, start, end in zip(owned, starts, ends):
+        compute = _union(_interval(e) for e in kernels if not _is_comm(e))
+        comm = _union(_interval(e) for e in kernels if _is_comm(e))
+        # data: the host in the DataLoader while the GPU runs nothing at all
+        per_step.append(_split_step({"ts": start, "dur": end - start}, compute, comm,
+                                    _subtract(data, everything)))
+    means = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
+    return {"steps": len(per_step), "timeline": "gpu", **means}
 
 
 def _is_comm(event: dict) -> bool:

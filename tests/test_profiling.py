@@ -160,18 +160,52 @@ def test_breakdown_of_an_all_reduce_after_backward_hides_nothing():
     assert result["overlapped_comm_ms"] == 0
 
 
+def launched(kernel: dict, at: float, correlation: int) -> list[dict]:
+    """A device event and the host's CUDA runtime call that launched it, linked as a trace
+    links them: by the correlation id both carry."""
+    kernel["args"] = {"correlation": correlation}
+    call = span("cudaLaunchKernel", at, at + 1, cat="cuda_runtime")
+    call["args"] = {"correlation": correlation}
+    return [call, kernel]
+
+
 def test_breakdown_on_a_gpu_uses_the_device_timeline():
     # The host only launches; the kernels are the work. The step also shows on the GPU's
     # timeline, which must not count as a second step.
     result = breakdown_of(span("aten::conv2d", 0, 30), span("ProfilerStep#2", 5, 95, 7,
                                                             cat="gpu_user_annotation"),
-                          span("sm90_xmma_fprop", 10, 50, 7, cat="kernel"),
-                          span("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 40, 60, 8,
-                               cat="kernel"))
+                          *launched(span("sm90_xmma_fprop", 10, 50, 7, cat="kernel"), 2, 1),
+                          *launched(span("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 40, 60, 8,
+                                         cat="kernel"), 20, 2))
     assert result["steps"] == 1 and result["timeline"] == "gpu"
     assert result["compute_ms"] == pytest.approx(40 / 1000)
     assert result["exposed_comm_ms"] == pytest.approx(10 / 1000)
     assert result["overlapped_comm_ms"] == pytest.approx(10 / 1000)
+
+
+def test_a_gpu_kernel_counts_in_the_step_that_launched_it():
+    """The host runs ahead: step 1's kernels run on into step 2's host window. Cutting the
+    device timeline with the host's step windows would give step 2 what step 1 launched; the
+    correlation id ties each kernel to the host call, and so to the step, that launched it."""
+    nccl = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+    result = profiling.step_breakdown([
+        span("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        span("ProfilerStep#2", 100, 200, cat="user_annotation"),
+        *launched(span("sm90_xmma_fprop", 50, 140, 7, cat="kernel"), 10, 1),  # step 1
+        *launched(span(nccl, 140, 170, 8, cat="kernel"), 60, 2),  # step 1, exposed
+        *launched(span("sm90_xmma_dgrad", 170, 230, 7, cat="kernel"), 110, 3),  # step 2
+        *launched(span(nccl, 200, 250, 8, cat="kernel"), 150, 4),  # step 2, 30 us hidden
+        span("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 100, 105,
+             cat="user_annotation"),  # while step 1's kernel runs: no wait for data
+    ])
+    # step 1 on the device: 50-170 (90 compute + 30 exposed); step 2: 170-250 (60 compute,
+    # 20 exposed, 30 overlapped). Host windows would have given step 1 only 50 us of compute.
+    assert result["steps"] == 2 and result["timeline"] == "gpu"
+    assert result["step_ms"] == pytest.approx((120 + 80) / 2 / 1000)
+    assert result["compute_ms"] == pytest.approx((90 + 60) / 2 / 1000)
+    assert result["exposed_comm_ms"] == pytest.approx((30 + 20) / 2 / 1000)
+    assert result["overlapped_comm_ms"] == pytest.approx(30 / 2 / 1000)
+    assert result["data_ms"] == 0 and result["other_ms"] == pytest.approx(0)
 
 
 def test_event_files_hold_the_scalars(ddp_run):
