@@ -104,16 +104,16 @@ def main():
         summary = out / "summary.json"
         rows.append((script, idea, next_read, json.loads(summary.read_text())
                      if summary.exists() else None))
-    print_table(rows, time.monotonic() - started)
+    print_table(rows, time.monotonic() - started, processes)
 
 
-def print_table(rows, seconds: float) -> None:
+def print_table(rows, seconds: float, processes: int) -> None:
     print(f"\n=== the tour, {seconds:.0f} s: what each step added, and what it measured\n")
     print(f"{'step':<5}{'the idea it adds':<52}{'world':>5}{'test acc':>10}{'samples/s':>11}"
           f"   read next")
     for script, idea, next_read, summary in rows:
-        if summary is None:  # step 01 trains nothing
-            world, accuracy, rate = "2", "-", "-"
+        if summary is None:  # step 01 trains nothing: its world is the processes we started
+            world, accuracy, rate = str(processes), "-", "-"
         else:
             world = str(summary["world_size"])
             accuracy = f"{100 * summary['test_accuracy']:.1f}%"

@@ -30,3 +30,12 @@ def test_the_tour_runs_every_step_and_ends_with_one_table(mnist_root, tmp_path):
         assert accuracy == f"{100 * summary['test_accuracy']:.1f}%", table
         assert 0 < summary["test_accuracy"] <= 1 and summary["test_samples"] == TEST_SAMPLES
         assert int(world) == summary["world_size"] == (1 if step == "00" else 2)
+
+
+def test_a_step_without_a_summary_shows_the_processes_the_tour_started(capsys):
+    """Step 01 writes no summary.json: its world is the processes the tour started for it, one
+    on a machine with one GPU (not a fixed 2)."""
+    script, _, idea, next_read, _ = tour.STEPS[1]
+    tour.print_table([(script, idea, next_read, None)], seconds=1, processes=1)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("01"))
+    assert row.split(idea)[1].split()[:3] == ["1", "-", "-"], row
