@@ -161,6 +161,10 @@ def main():
     stop = fault_tolerance.StopRequest()  # before the (slow) setup: a signal may come any time
     use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
     run = common.setup_distributed(args)  # step 02's setup(), now shared
+    if args.mixed_precision and not run.has_bf16:  # as --amp: GPUs with native bf16 only
+        common.log(run, "note: --mixed-precision needs a GPU with native bf16; training in "
+                        "float32")
+        args.mixed_precision = False
     nodes = report_topology(run)
     # One download per node (its local rank 0): each node may have its own disk. On a shared
     # filesystem the downloads land in temporary folders and are renamed into place, so two
