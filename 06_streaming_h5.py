@@ -201,7 +201,7 @@ def main():
     if args.command == "prepare":
         return dist.destroy_process_group()
     plan = common.plan_batches(args, run.world_size, train_count)
-    compiled = args.compile if args.compile is not None else run.device.type == "cuda"
+    compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     train_set = StreamingDigits(args.h5, train_count, chunk, plan.per_rank, run.rank,
                                 run.world_size, args.seed)

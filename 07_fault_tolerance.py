@@ -139,7 +139,7 @@ def main():
     # nodes downloading at once cannot leave a half-written file.
     train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args, run.world_size, len(train_set))
-    compiled = args.compile if args.compile is not None else run.device.type == "cuda"
+    compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
     # rank on: disjoint shares that together cover the set. When the set does not divide,

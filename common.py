@@ -12,10 +12,13 @@ from __future__ import annotations
 import math
 import os
 import random
+import shutil
 import socket
 import subprocess
+import sysconfig
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -211,6 +214,48 @@ def lr_schedule(optimizer, args, plan: BatchPlan, steps_per_epoch: int) -> LRSch
     a linear warm-up of --warmup-steps from --lr, times 0.7 per epoch. Step it after every
     optimizer.step(); without scaling it is the per-epoch 0.7 decay of step 00."""
     return LRSchedule(optimizer, lr_scale(args, plan), args.warmup_steps, steps_per_epoch)
+
+
+# ---------------------------------------------------------------- torch.compile
+def compile_choice(args, run: Run) -> bool:
+    """--compile / --no-compile; by default on GPUs, off on the CPU (measured slower there for
+    this model). Compiling builds native code on this node, so the tools it needs are checked
+    now, not found as a traceback inside the first step: an explicit --compile without them is
+    one error line; the default falls back to eager with one note."""
+    wanted = args.compile if args.compile is not None else run.device.type == "cuda"
+    missing = missing_compile_tools(run.device) if wanted else None
+    if missing and args.compile:
+        raise UserError(f"--compile needs {missing}; install it, or use --no-compile")
+    if missing:
+        log(run, f"note: not compiling: torch.compile needs {missing}; training eagerly")
+        return False
+    return wanted
+
+
+def missing_compile_tools(device: torch.device) -> str | None:
+    """What torch.compile lacks on this node to build its kernels, or None. Read in torch 2.15:
+    on a GPU, Triton (triton/runtime/build.py: _find_compiler, _build) compiles each kernel's
+    launcher with $CC, else gcc, else clang, against Python.h from sysconfig's include folder
+    (scheme posix_prefix for Debian's posix_local); on the CPU, inductor
+    (torch/_inductor/cpp_builder.py: get_cpp_compiler, _get_python_include_dirs; config.cpp.cxx)
+    compiles C++ with $CXX, else g++, against sysconfig's include folder."""
+    if device.type == "cuda":
+        compiler = next(filter(None, (os.environ.get("CC"), shutil.which("gcc"),
+                                      shutil.which("clang"))), None)
+        what = "a C compiler (gcc or clang, or one named by $CC)"
+        scheme = sysconfig.get_default_scheme()
+        include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local"
+                                      else scheme)["include"]
+    else:
+        compiler = os.environ.get("CXX", "g++")
+        what = "a C++ compiler (g++, or one named by $CXX)"
+        include = sysconfig.get_path("include")
+    if not compiler or not shutil.which(compiler):
+        return f"{what}, and none was found"
+    if not (Path(include) / "Python.h").exists():
+        return (f"Python's C headers (Python.h, not in {include}: e.g. apt install python3-dev, "
+                f"or your cluster's python module)")
+    return None
 
 
 # ---------------------------------------------------------------- small helpers

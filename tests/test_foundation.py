@@ -299,6 +299,35 @@ def test_every_process_the_suite_starts_computes_on_the_cpu(monkeypatch, tmp_pat
     assert base_env(gpus=True)["CUDA_VISIBLE_DEVICES"] == "0"  # test_gpu.py opts in
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compile_without_a_compiler_or_python_h_is_one_line(device, monkeypatch, tmp_path):
+    """torch.compile builds native code on the node: C++ by inductor on the CPU, Triton's C
+    launchers on a GPU, both against Python.h. What is missing is found before training: an
+    explicit --compile stops with one line; the GPU default trains eagerly with one note."""
+    run = common.Run(torch.device(device))
+    assert common.missing_compile_tools(run.device) is None  # this machine has both
+    monkeypatch.setenv("CXX", str(tmp_path / "no-g++"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-gcc"))
+    assert "compiler" in common.missing_compile_tools(run.device)
+    with pytest.raises(common.UserError, match=r"^--compile needs a C\+* compiler"):
+        common.compile_choice(SimpleNamespace(compile=True), run)
+    assert common.compile_choice(SimpleNamespace(compile=None), run) is False
+    assert common.compile_choice(SimpleNamespace(compile=False), run) is False
+    monkeypatch.delenv("CXX")
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(common.sysconfig, "get_path", lambda *a, **k: str(tmp_path))
+    monkeypatch.setattr(common.sysconfig, "get_paths", lambda *a, **k: {"include": str(tmp_path)})
+    assert "Python.h" in common.missing_compile_tools(run.device)
+
+
+def test_04_compiling_without_a_compiler_stops_with_one_line(tmp_path):
+    proc = run_step("04_ddp_compile.py", ["--compile", "--data", "synthetic", *SMALL,
+                                          "--out-dir", tmp_path],
+                    env_extra={"CXX": tmp_path / "no-g++"}, check=False)
+    assert proc.returncode != 0 and "--compile needs a C++ compiler" in proc.stderr, proc.stderr
+    assert_no_traceback(proc)
+
+
 # ---------------------------------------------------------------- FLOPs and MFU
 def test_training_flops_are_counted_layer_by_layer():
     """FlopCounterMode's count equals the count by hand: 2 FLOPs (multiply, add) per weight use
