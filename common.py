@@ -261,8 +261,13 @@ def missing_compile_tools(device: torch.device) -> str | None:
 # ---------------------------------------------------------------- small helpers
 def announce(run: Run, args, plan: BatchPlan, script: str, **extra) -> None:
     """The start-up line: what this run is, checkable before waiting for an epoch."""
-    if args.amp and not run.amp:
-        log(run, "note: --amp needs a GPU with bf16 support; training in float32")
+    if args.amp and not run.amp:  # a CPU, or a GPU that only emulates bf16 (V100, T4)
+        # Not fp16 instead: it needs a GradScaler (loss scaling, skipped steps, its state in
+        # every checkpoint for an exact resume, a sharded one under FSDP2) in every step's loop,
+        # for GPUs that are leaving clusters; bf16 has float32's range and needs none.
+        where = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "a CPU"
+        log(run, f"note: --amp computes in bf16, which {where} has no native support for "
+                 f"(emulated, slower than float32): training in float32, amp=False")
     if args.lr_scaling != "none":  # what --lr becomes, and how fast
         extra = {"lr": f"{args.lr:g}x{lr_scale(args, plan):.3g} ({args.lr_scaling}, warm-up "
                        f"{args.warmup_steps} steps)", **extra}

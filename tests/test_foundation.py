@@ -328,6 +328,17 @@ def test_04_compiling_without_a_compiler_stops_with_one_line(tmp_path):
     assert_no_traceback(proc)
 
 
+def test_amp_without_native_bf16_says_so_at_start_up(capsys):
+    """--amp where bf16 is not native (a CPU here; a V100 or T4 the same way) trains in float32
+    and says so, naming the device, before the start-up line."""
+    run = common.Run(torch.device("cpu"), amp=True)
+    args = SimpleNamespace(amp=True, lr_scaling="none", seed=0, deterministic=False)
+    common.announce(run, args, common.BatchPlan(64, 64, 64, 1, 64), "00_single_gpu.py")
+    note, start_up = capsys.readouterr().out.splitlines()
+    assert note.startswith("note: --amp computes in bf16, which a CPU has no native support")
+    assert "training in float32, amp=False" in note and " amp=False " in start_up
+
+
 # ---------------------------------------------------------------- FLOPs and MFU
 def test_training_flops_are_counted_layer_by_layer():
     """FlopCounterMode's count equals the count by hand: 2 FLOPs (multiply, add) per weight use
