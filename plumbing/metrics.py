@@ -104,7 +104,9 @@ class Progress:
         if dist.is_initialized():
             bad = [torch.empty_like(self.bad_step) for _ in range(dist.get_world_size())]
             dist.all_gather(bad, self.bad_step)  # every rank calls this at the same step
-        bad_ranks = {rank: int(step.item()) for rank, step in enumerate(bad) if step.item() >= 0}
+        # One device-to-host copy of all ranks' steps: each .item() would be a sync of its own.
+        steps = torch.cat(bad).tolist()
+        bad_ranks = {rank: step for rank, step in enumerate(steps) if step >= 0}
         if bad_ranks:
             step = min(bad_ranks.values())
             ranks = ", ".join(str(r) for r, s in bad_ranks.items() if s == step)

@@ -232,6 +232,23 @@ def test_a_nan_loss_under_lr_scaling_names_the_scaled_rate(mnist_root, tmp_path)
                           "milder scaling (sqrt or none)")
 
 
+def test_the_loss_check_reads_every_rank_in_one_transfer(monkeypatch):
+    """Each .item() on a GPU tensor is a host-device sync: the check every 10 steps reads all
+    ranks' first bad steps in one copy (here a world of one; the runs above prove the ranks)."""
+    from types import SimpleNamespace
+
+    from plumbing import metrics
+
+    run = common.Run(torch.device("cpu"))
+    progress = metrics.Progress(run, SimpleNamespace(quiet=True, lr=0.05), steps_per_epoch=20)
+    progress.start_epoch(0)
+    progress.check_loss()  # nothing bad yet
+    progress.bad_step.fill_(7)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a .item() sync"))
+    with pytest.raises(metrics.Diverged, match="at step 7 of epoch 1 on rank 0"):
+        progress.check_loss()
+
+
 # ---------------------------------------------------------------- files that are not ours
 def save_and_load(tmp_path, content):
     torch.save(content, tmp_path / "c.pt")
