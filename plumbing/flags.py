@@ -130,8 +130,8 @@ def parser(doc: str, script: str) -> Parser:
     data.add_argument("--test-samples", type=integer(1, what="--test-samples"), metavar="N",
                       help="use only the first N test samples")
     data.add_argument("--num-workers", type=integer(0, 64, "--num-workers"), metavar="N",
-                      help="DataLoader worker processes per rank (default: 0 on CPU, where "
-                           "workers compete with training for cores; 2 on GPU)")
+                      help="DataLoader worker processes per rank (default 0: the data is in "
+                           "memory and one indexing op fetches a batch; see data.make_loader)")
     train = p.add_argument_group("training")
     train.add_argument("--epochs", type=integer(1, what="--epochs"), default=2)
     batch = train.add_mutually_exclusive_group()
