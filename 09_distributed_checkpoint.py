@@ -255,9 +255,14 @@ def main():
                                    else f"epoch{epochs_done}-end", fault_tolerance.rng_state())
         # Blocks while this rank's shards are copied to host memory; the writing overlaps the
         # next steps, and the next save (or the end) waits for it, then commits the folder.
+        # per_thread_copy_ahead=0: the writer thread only writes those host copies. Left at its
+        # default it asks CUDA for a stream, and a new thread's CUDA device is GPU 0, so every
+        # rank would open a context on GPU 0 (torch 2.15, checkpoint/filesystem.py:
+        # _write_files_from_queue picks _OverlappingCpuLoader when it is above 0).
         saving.started(dcp.async_save({"model": model_state, "optim": optim, "extra": {
             "epoch": epochs_done, "position": done, "scheduler": scheduler.state_dict()}},
-            checkpoint_id=folder, process_group=checkpoint_group))
+            storage_writer=dcp.FileSystemWriter(folder, per_thread_copy_ahead=0),
+            process_group=checkpoint_group))
         if wait:
             saving.finish()
 
