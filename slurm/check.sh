@@ -22,6 +22,7 @@
 #
 # Delete one '#' to turn a line on, as in slurm/multinode.sh.
 ##SBATCH --gpus-per-node=4
+##SBATCH --cpus-per-task=32
 ##SBATCH --account=def-someone
 ##SBATCH --partition=gpu
 
@@ -39,10 +40,12 @@ if (($# == 0)); then
 fi
 
 # --- Workers per node, threads, cores for srun: as in slurm/multinode.sh.
-NPROC=${SLURM_GPUS_ON_NODE:-}
-if [[ -z "$NPROC" ]] && command -v nvidia-smi >/dev/null; then
-    NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+GPUS=${SLURM_GPUS_ON_NODE:-0}
+if ((GPUS == 0)) && [[ -n "${CUDA_VISIBLE_DEVICES:-}" && "$CUDA_VISIBLE_DEVICES" != NoDevFiles ]]; then
+    IFS=, read -ra GIVEN <<<"$CUDA_VISIBLE_DEVICES"  # the GPUs (or MIG instances) SLURM gave us
+    GPUS=${#GIVEN[@]}
 fi
+NPROC=$GPUS
 if [[ -z "$NPROC" || "$NPROC" == 0 ]]; then
     NPROC=2
 fi

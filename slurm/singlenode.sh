@@ -18,8 +18,9 @@
 #SBATCH --nodes=1
 # ONE task: that task is torchrun, and torchrun starts the workers.
 #SBATCH --ntasks=1
-# CPU cores for everything (the one task holds them all). With GPUs ask for about 8 per GPU,
-# e.g. 32 for 4 GPUs: DataLoader workers need cores too.
+# CPU cores for everything (the one task holds them all): 2 for CPU runs. With GPUs turn on the
+# --cpus-per-task line below the GPU line too (about 8 cores per GPU: each GPU's worker runs its
+# Python loop and data loading on them); a later #SBATCH line of an option overrides this one.
 #SBATCH --cpus-per-task=2
 #SBATCH --time=00:30:00
 # %x = job name, %j = job id, in the folder you submitted from. A folder such as
@@ -27,8 +28,9 @@
 #SBATCH --output=%x-%j.out
 #
 # Common cluster variations: delete one '#' to turn a line on ("##SBATCH" is a plain comment).
-# GPUs (older clusters: --gres=gpu:4); raise --cpus-per-task with it.
+# GPUs (older clusters: --gres=gpu:4), and about 8 cores per GPU with them: turn on both lines.
 ##SBATCH --gpus-per-node=4
+##SBATCH --cpus-per-task=32
 # The allocation your jobs are billed to (required on ComputeCanada/Alliance clusters).
 ##SBATCH --account=def-someone
 # Which queue and which kind of node.
@@ -63,13 +65,17 @@ if (($# == 0)); then
     set -- 05_multinode.py
 fi
 
-# --- How many workers: one per GPU. SLURM sets SLURM_GPUS_ON_NODE when the job asked for GPUs;
-# otherwise count the GPUs nvidia-smi sees. No GPU: 2 CPU processes (gloo). NPROC_PER_NODE,
-# set when you submit, overrides both (to use fewer GPUs, or another number of CPU processes).
-NPROC=${SLURM_GPUS_ON_NODE:-}
-if [[ -z "$NPROC" ]] && command -v nvidia-smi >/dev/null; then
-    NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+# --- How many workers: one per GPU the job was given. SLURM sets SLURM_GPUS_ON_NODE when the job
+# asked for GPUs (--gpus-per-node, --gres) and lists them, or their MIG instances, in
+# CUDA_VISIBLE_DEVICES; nvidia-smi -L would also count GPUs given to other jobs, and physical GPUs
+# instead of MIG instances. No GPU: 2 CPU processes (gloo). NPROC_PER_NODE, set when you submit,
+# overrides both (to use fewer GPUs, or another number of CPU processes).
+GPUS=${SLURM_GPUS_ON_NODE:-0}
+if ((GPUS == 0)) && [[ -n "${CUDA_VISIBLE_DEVICES:-}" && "$CUDA_VISIBLE_DEVICES" != NoDevFiles ]]; then
+    IFS=, read -ra GIVEN <<<"$CUDA_VISIBLE_DEVICES"  # the GPUs (or MIG instances) SLURM gave us
+    GPUS=${#GIVEN[@]}
 fi
+NPROC=$GPUS
 if [[ -z "$NPROC" || "$NPROC" == 0 ]]; then
     NPROC=2
 fi
@@ -81,11 +87,29 @@ CPUS=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
 THREADS=$((CPUS / NPROC))
 ((THREADS >= 1)) || THREADS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
+if ((GPUS > 0 && CPUS < 4 * NPROC)); then
+    echo "warning: $CPUS CPU cores for $NPROC GPU workers starve their data loading and Python:" \
+        "ask for about 8 per GPU (--cpus-per-task, see the top)" >&2
+fi
 # SLURM 22.05 to 23.02: srun does not inherit --cpus-per-task from the job (23.11 went back to
 # inheriting it and ignores this variable): without this line the torchrun task, and all its
 # workers, would be squeezed onto one core there.
 if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
     export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+fi
+
+# --- When a GPU run hangs or dies: NCCL's warnings, and each rank's Flight Recorder (its last
+# collectives), written when NCCL's watchdog times out, into a folder on the shared filesystem
+# (fr-<job id> in the submit folder, which every node sees): read them with torchfrtrace
+# (docs/debugging.md).
+# The TORCH_FR_* names are torch 2.15's; older torch reads the TORCH_NCCL_* ones.
+if ((GPUS > 0)); then
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000} TORCH_FR_DUMP_ON_TIMEOUT=1
+    export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$SLURM_SUBMIT_DIR/fr-$SLURM_JOB_ID/rank_}
+    export TORCH_NCCL_TRACE_BUFFER_SIZE=$TORCH_FR_BUFFER_SIZE TORCH_NCCL_DUMP_ON_TIMEOUT=1
+    export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$TORCH_FR_DUMP_TEMP_FILE
+    mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"
 fi
 
 # If you add torchrun --max-restarts: a restarted group must meet at a fresh store, not at the one
