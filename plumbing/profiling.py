@@ -74,8 +74,9 @@ def step_breakdown(events: list[dict]) -> dict | None:
     which add up to the step, and beside them the communication hidden behind compute.
 
     Each step is partitioned in this order: compute (the training thread's ops, or on a GPU
-    the kernels it launched: see _gpu_breakdown), then communication where no compute runs (exposed), then data loading (the
-    DataLoader's __next__) where neither runs; the rest is other (Python, waiting). Gloo's
+    the kernels it launched: see _gpu_breakdown), then communication where no compute runs
+    (exposed), then data loading (the DataLoader's __next__) where neither runs; the rest is
+    other (Python, waiting). Gloo's
     worker threads and NCCL's kernels communicate alongside compute: that part is overlapped.
     """
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]

@@ -1,8 +1,9 @@
 """Shared test plumbing: small MNIST-format files, and launching steps as real processes.
 
 Every test here starts the tutorial's scripts the way a user does (plain python or torchrun)
-on the CPU with gloo, GPUs or not (see HIDE_GPUS; only test_gpu.py opts in). Each launch costs seconds (torch imports in ~3 s, a torchrun agent adds
-~4 s), so tests share runs through module-scoped fixtures wherever one run proves several things.
+on the CPU with gloo, GPUs or not (see HIDE_GPUS; only test_gpu.py opts in). Each launch costs
+seconds (torch imports in ~3 s, a torchrun agent adds ~4 s), so tests share runs through
+module-scoped fixtures wherever one run proves several things.
 """
 
 from __future__ import annotations
