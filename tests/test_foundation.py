@@ -306,6 +306,8 @@ def test_compile_without_a_compiler_or_python_h_is_one_line(device, monkeypatch,
     explicit --compile stops with one line; the GPU default trains eagerly with one note."""
     run = common.Run(torch.device(device))
     assert common.missing_compile_tools(run.device) is None  # this machine has both
+    assert common.compile_choice(SimpleNamespace(compile=True), run) is True
+    assert common.compile_choice(SimpleNamespace(compile=None), run) is (device == "cuda")
     monkeypatch.setenv("CXX", str(tmp_path / "no-g++"))
     monkeypatch.setenv("CC", str(tmp_path / "no-gcc"))
     assert "compiler" in common.missing_compile_tools(run.device)
