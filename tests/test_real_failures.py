@@ -20,7 +20,6 @@ import torch
 import common
 from plumbing import checkpoint
 from conftest import REPO, assert_no_traceback, base_env, launch, run_step, saved_checkpoint
-from plumbing import step09_dcp_checkpoint as dcp_checkpoint
 
 
 @pytest.fixture
@@ -365,6 +364,7 @@ def test_09_a_folder_or_link_it_cannot_create_is_one_line_and_loses_nothing(tmpf
     OSError as tracebacks. Now each is one line (a UserError: exit 2 on every rank), the link
     still names the last committed checkpoint, and a complete checkpoint whose commit failed
     is kept, named in the line."""
+    from plumbing import step09_dcp_checkpoint as dcp_checkpoint
     disk = tmpfs("size=16m,nr_inodes=64")
     proc = launch([sys.executable, "-c", COMMITS, str(disk), str(tmp_path / "store")])
     said = dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
