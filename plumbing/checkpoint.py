@@ -8,6 +8,7 @@ rank's random state.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -38,11 +39,28 @@ def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
     if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
         raise UserError(f"the weights became NaN or infinite; not saving them over {path}. "
                         f"Try a lower --lr")
+    try:
+        write_atomically(path, lambda f: torch.save(state, f))
+    except (OSError, RuntimeError) as err:
+        raise UserError(f"could not write checkpoint {path}: {write_failure(err, path)}; the "
+                        f"previous checkpoint is unchanged") from None
+
+
+def write_atomically(path: Path, write) -> None:
+    """`write(f)` fills a temporary file beside `path` (a binary file of this process), which
+    is then fsynced and renamed over `path`: `path` is whole or as it was, never cut short.
+
+    On any failure the temporary file goes (where the filesystem still lets it: see discard)
+    and the error is raised as it came; a temporary file that a killed process left (SIGKILL
+    runs no cleanup) is removed by the next write of `path` on that machine. Every atomic write
+    of the tutorial (checkpoints, summary.json, step 09's small files, step 06's HDF5 file, the
+    profiler's summaries) goes through here.
+    """
     remove_dead_temporaries(path)
     tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -51,11 +69,18 @@ def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
             os.fsync(dir_fd)  # make the rename itself durable
         finally:
             os.close(dir_fd)
-    except (OSError, RuntimeError) as err:
-        raise UserError(f"could not write checkpoint {path}: {write_failure(err, path)}; the "
-                        f"previous checkpoint is unchanged") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
+
+
+def discard(path: Path) -> None:
+    """Remove `path` if it is there, and never raise: on a filesystem that turned read-only,
+    unlink fails (EROFS) even for a file that does not exist, and a cleanup must not replace
+    the error that made it necessary."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def temporary_name(path: Path) -> Path:
@@ -69,7 +94,7 @@ def remove_dead_temporaries(path: Path) -> None:
     for tmp in path.parent.glob(f".{path.name}.{socket.gethostname()}.*.tmp"):
         pid = tmp.name.rsplit(".", 2)[-2]
         if pid.isdigit() and not process_exists(int(pid)):
-            tmp.unlink(missing_ok=True)
+            discard(tmp)
 
 
 def process_exists(pid: int) -> bool:
@@ -83,15 +108,31 @@ def process_exists(pid: int) -> bool:
 
 
 def write_failure(err: BaseException, path: Path) -> str:
-    """Why a write failed, in words: OSError's strerror, or for torch's RuntimeError its first
-    line and the free space left."""
+    """Why a write failed, in words: OSError's strerror (with a note when what ran out is
+    inodes, not bytes), or for torch's RuntimeError its first line and the free space left."""
     if isinstance(err, OSError) and err.strerror:
+        if err.errno == errno.ENOSPC and no_inodes_left(path.parent):
+            return f"{err.strerror} (no inodes left there, though bytes are: see df -i)"
         return err.strerror
+    return f"{first_line(err)}{free_space(path)}"
+
+
+def free_space(path: Path) -> str:
+    """'; 1.2 MiB free there: disk full?' for the filesystem of `path`, or '' when unknown."""
     try:
-        free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there: disk full?"
+        return f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there: disk full?"
     except OSError:
-        free = ""
-    return f"{first_line(err)}{free}"
+        return ""
+
+
+def no_inodes_left(folder: Path) -> bool:
+    """A filesystem can run out of inodes (one per file) with bytes to spare: then it says
+    "No space left on device" too."""
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return False
+    return stats.f_files > 0 and stats.f_favail == 0
 
 
 def load(path: Path) -> dict:

@@ -7,10 +7,11 @@ the end. Only rank 0 prints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .checkpoint import temporary_name, write_failure
+from .checkpoint import write_atomically, write_failure
 from .errors import UserError
 from .flops import peak_flops, training_flops_per_sample
 from .ranks import log
@@ -203,9 +204,7 @@ class Metrics:
         # times this is the arithmetic each rank achieves, which MFU compares with its peak.
         self.flops_per_sample = training_flops_per_sample(args)
         if run.is_main:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(args.out_dir))
+            self.writer = open_tensorboard(args.out_dir)  # on a full disk: one line, here
 
     def epoch(self, epoch: int, train_loss: float, test: dict, samples_per_sec: float | None,
               lr: float) -> None:
@@ -227,9 +226,10 @@ class Metrics:
                        "test/accuracy": test["accuracy"], "train/lr": lr}
             if samples_per_sec is not None:
                 scalars["train/samples_per_sec"] = samples_per_sec
-            for name, value in scalars.items():
-                self.writer.add_scalar(name, value, epoch + 1)
-            self.writer.flush()
+            with tensorboard_errors(self.out_dir):
+                for name, value in scalars.items():
+                    self.writer.add_scalar(name, value, epoch + 1)
+                self.writer.flush()
 
     def summary(self, script: str, args, plan, test: dict, progress: Progress, **extra) -> dict:
         """Write <out-dir>/summary.json (rank 0) and return what was written."""
@@ -259,18 +259,52 @@ class Metrics:
         if self.run.is_main:
             write_json_atomic(self.out_dir / "summary.json", summary)
             if self.writer:
-                self.writer.close()
+                with tensorboard_errors(self.out_dir):
+                    self.writer.close()
         return summary
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write `path` whole or not at all: a temporary file of this process, then a rename (two
-    runs writing into one --out-dir never share a temporary file)."""
-    tmp = temporary_name(path)
+def open_tensorboard(out_dir: Path):
+    """TensorBoard's SummaryWriter for `out_dir`, failing here, in one line, when it cannot write.
+
+    The writer writes its event file from a thread of its own. When a write fails there (a full
+    disk, a quota, a read-only filesystem), the thread keeps the error and the writer raises it
+    again in the training thread, at once here or at the next write or flush, where
+    tensorboard_errors turns it into one line. The thread's own traceback would only say the same
+    thing a second time: it is not printed.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    if not getattr(threading.excepthook, "quiet_for_tensorboard", False):
+        threading.excepthook = _quiet_for_tensorboard(threading.excepthook)
+    with tensorboard_errors(out_dir):
+        return SummaryWriter(log_dir=str(out_dir))
+
+
+def _quiet_for_tensorboard(excepthook):
+    def hook(args):
+        writer_thread = type(args.thread).__module__.startswith("tensorboard.summary.writer")
+        if not (writer_thread and issubclass(args.exc_type, OSError)):
+            excepthook(args)
+
+    hook.quiet_for_tensorboard = True
+    return hook
+
+
+@contextlib.contextmanager
+def tensorboard_errors(out_dir: Path):
+    """A TensorBoard write that failed, as one line (see open_tensorboard)."""
     try:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, path)
+        yield
+    except OSError as err:
+        raise UserError(f"could not write TensorBoard's event file in {out_dir}: "
+                        f"{write_failure(err, out_dir / 'events')}") from None
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write `path` whole or not at all (checkpoint.write_atomically: a temporary file of this
+    process, then a rename; two runs writing into one --out-dir never share a temporary file)."""
+    try:
+        write_atomically(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
     except OSError as err:
         raise UserError(f"could not write {path}: {write_failure(err, path)}") from None
-    finally:
-        tmp.unlink(missing_ok=True)

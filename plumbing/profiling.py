@@ -13,6 +13,9 @@ import warnings
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from .checkpoint import discard, free_space, write_atomically, write_failure
+from .errors import UserError
+
 # Names that mark communication: gloo's/NCCL's own spans, the c10d ops that start them, and on
 # a GPU the NCCL kernels themselves (ncclKernel_* or ncclDevKernel_*, depending on the version).
 COMM_MARKERS = ("gloo:", "nccl:", "c10d::", "record_param_comms", "ncclKernel", "ncclDevKernel")
@@ -51,16 +54,30 @@ class StepProfiler(profile):
         self.run, self.trace_dir, self.breakdown = run, trace_dir, None
 
     def _save(self, prof):
-        self.trace_dir.mkdir(parents=True, exist_ok=True)
         # The name tensorboard_trace_handler would give: the TensorBoard plugin reads
         # <worker>.<time_ns>.pt.trace.json and shows <worker> as the worker's name.
         path = self.trace_dir / f"rank{self.run.rank}.{time.time_ns()}.pt.trace.json"
-        prof.export_chrome_trace(str(path))
-        self.breakdown = step_breakdown(json.loads(path.read_text())["traceEvents"])
-        if self.breakdown:
-            self.breakdown.update(rank=self.run.rank, trace=path.name)
-            summary = self.trace_dir / f"summary_rank{self.run.rank}.json"
-            summary.write_text(json.dumps(self.breakdown, indent=2) + "\n")
+        # torch's exporter writes <path>.tmp, then renames it; when that write fails (a full
+        # disk) it says nothing (on the CPU, KINETO_LOG_LEVEL silences it) and leaves the
+        # part it wrote, which would keep the disk full.
+        partial = path.with_name(f"{path.name}.tmp")
+        try:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(path))
+            if not path.is_file():
+                raise UserError(f"could not write the profiler's trace {path}: the profiler "
+                                f"wrote no file{free_space(path)}")
+            self.breakdown = step_breakdown(json.loads(path.read_text())["traceEvents"])
+            if self.breakdown:
+                self.breakdown.update(rank=self.run.rank, trace=path.name)
+                text = json.dumps(self.breakdown, indent=2) + "\n"
+                write_atomically(self.trace_dir / f"summary_rank{self.run.rank}.json",
+                                 lambda f: f.write(text.encode()))
+        except OSError as err:
+            raise UserError(f"could not write the profiler's trace {path}: "
+                            f"{write_failure(err, path)}") from None
+        finally:
+            discard(partial)
 
     def __exit__(self, exc_type, *rest):
         result = super().__exit__(exc_type, *rest)

@@ -7,7 +7,7 @@ when complete, so an interrupted `prepare` leaves no half file and no reader eve
 
 from __future__ import annotations
 
-import os
+import io
 from argparse import ArgumentTypeError
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .checkpoint import write_atomically, write_failure
 from .data import MNIST_MEAN, MNIST_STD, Digits, load_datasets, prefix
 from .errors import UserError, first_line
 from .flags import writable_dir
@@ -60,28 +61,34 @@ def stream_ranges(starts, chunk: int, count: int, first: int, last: int) -> list
 
 def write(path: Path, train_set: Digits, test_set: Digits, chunk: int,
           compression: str | None) -> None:
-    """Both sets into one file, under a temporary name renamed into place when complete."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Both sets into one file, built in memory, then written under a temporary name and renamed
+    into place (checkpoint.write_atomically).
+
+    In memory first: HDF5 delays its writes, and when the disk fills up under it, it fails
+    later, where h5py cannot report it (in a destructor), and was seen to crash the process
+    (a segfault) as it closed the file, leaving the part it wrote. Writing the finished bytes
+    ourselves, a full disk is an OSError, and the temporary file goes. (The conversion holds the
+    sets in memory anyway; the file is about their size.)
+    """
+    image = io.BytesIO()
+    with h5py.File(image, "w") as f:
+        f.attrs.update(mean=MNIST_MEAN, std=MNIST_STD)  # see data.normalize
+        for name, data in [("train", train_set), ("test", test_set)]:
+            rows = min(chunk, len(data))
+            group = f.create_group(name)
+            group.attrs.update(count=len(data), shape=(28, 28))
+            # No compression by default: an uncompressed chunk goes into the batch with no
+            # CPU work in the workers. gzip shrinks MNIST ~4x for a little CPU per chunk,
+            # worth it when the filesystem rather than the CPU is the bottleneck. fletcher32
+            # stores a checksum per chunk: a damaged copy fails instead of training on garbage.
+            group.create_dataset("images", data=data.images.numpy(), chunks=(rows, 28, 28),
+                                 compression=compression, fletcher32=True)
+            group.create_dataset("labels", data=data.labels.numpy(), chunks=(rows,),
+                                 compression=compression, fletcher32=True)
     try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(mean=MNIST_MEAN, std=MNIST_STD)  # see data.normalize
-            for name, data in [("train", train_set), ("test", test_set)]:
-                rows = min(chunk, len(data))
-                group = f.create_group(name)
-                group.attrs.update(count=len(data), shape=(28, 28))
-                # No compression by default: an uncompressed chunk goes into the batch with no
-                # CPU work in the workers. gzip shrinks MNIST ~4x for a little CPU per chunk,
-                # worth it when the filesystem rather than the CPU is the bottleneck. fletcher32
-                # stores a checksum per chunk: a damaged copy fails instead of training on garbage.
-                group.create_dataset("images", data=data.images.numpy(), chunks=(rows, 28, 28),
-                                     compression=compression, fletcher32=True)
-                group.create_dataset("labels", data=data.labels.numpy(), chunks=(rows,),
-                                     compression=compression, fletcher32=True)
-        os.replace(tmp, path)
+        write_atomically(path, lambda f: f.write(image.getbuffer()))
     except OSError as err:
-        raise UserError(f"cannot write {path}: {err}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {write_failure(err, path)}") from None
 
 
 def open_checked(path: Path, train_samples: int | None, test_samples: int | None,

@@ -242,15 +242,7 @@ def check_same_sample_order(folder: Path, position: dict, settings: dict) -> Non
 
 def write_atomically(path: Path, data: bytes) -> None:
     """A temporary file, fsync, then a rename: `path` is whole or absent, never cut short."""
-    tmp = path.with_name(f".{path.name}.tmp")  # (one writer per file: each rank its own)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    checkpoint.write_atomically(path, lambda f: f.write(data))
 
 
 def is_write_failure(err: BaseException | None) -> bool:
@@ -278,15 +270,15 @@ class Commits:
         if self.run.is_main and folder.exists():  # what a killed save left behind
             shutil.rmtree(folder)
         dist.barrier()
-        folder.mkdir(parents=True, exist_ok=True)
         failed = None
         try:
+            folder.mkdir(parents=True, exist_ok=True)
             state = io.BytesIO()
             torch.save(rng, state)
             write_atomically(folder / f"rng-rank{self.run.rank}.pt", state.getvalue())
             if self.run.is_main:
                 write_atomically(folder / RUN_FILE, json.dumps(self.settings).encode())
-        except OSError as err:  # a full disk, ...
+        except OSError as err:  # a full disk, a read-only filesystem, no inodes left, ...
             failed = checkpoint.write_failure(err, folder)
         everyone = [None] * self.run.world_size
         dist.all_gather_object(everyone, failed)  # so that every rank stops if one must
@@ -299,16 +291,23 @@ class Commits:
         """Every rank calls this: the folder goes, the link stays, and every rank says rank 0's
         reason (the same line, printed once per machine; the free space each rank measured
         differs)."""
-        said = [reason]
-        dist.broadcast_object_list(said, src=0)
-        reason = said[0]
         if self.run.is_main:
             shutil.rmtree(folder, ignore_errors=True)
-        dist.barrier()  # removed before any rank exits (torchrun then ends the others)
+        said = [reason, folder.exists()]  # (a read-only filesystem keeps what it holds)
+        dist.broadcast_object_list(said, src=0)  # after the removal: before any rank exits
+        reason, kept_folder = said
+        removed = "could not remove it" if kept_folder else "removed it"
+        linked = self.linked()
+        kept = (f"the last complete checkpoint, {linked}, is unchanged" if linked
+                else "no complete checkpoint was written before it")
+        raise UserError(f"could not write checkpoint {folder}: {reason}; {removed}, {kept}")
+
+    def linked(self) -> str | None:
+        """What <out-dir>/checkpoint names (a copied run folder's is a real folder), if any."""
         link = self.out_dir / "checkpoint"
-        kept = (f"the last complete checkpoint, {os.readlink(link)}, is unchanged"
-                if link.exists() else "no complete checkpoint was written before it")
-        raise UserError(f"could not write checkpoint {folder}: {reason}; removed it, {kept}")
+        if not link.exists():
+            return None
+        return os.readlink(link) if link.is_symlink() else str(link)
 
     def started(self, future) -> None:
         self.pending = (future, self.folder, time.perf_counter() - self.started_at,
@@ -328,17 +327,43 @@ class Commits:
             raise RuntimeError(f"a checkpoint save failed ({root_cause(err)})") from None
         seconds = time.perf_counter() - started
         dist.barrier()  # every rank's shards are written
+        failed = None
         if self.run.is_main:
-            link, temporary = self.out_dir / "checkpoint", self.out_dir / ".checkpoint.link"
-            temporary.unlink(missing_ok=True)
-            temporary.symlink_to(folder.name)
-            os.replace(temporary, link)  # the commit: the link now names the new folder
-            for old in self.out_dir.glob("checkpoint-*"):
-                if old != folder:
-                    shutil.rmtree(old, ignore_errors=True)
-            log(self.run, f"checkpoint {folder.name}: {blocked:.2f} s blocking training, then "
-                          f"{seconds - blocked:.2f} s in the background")
-        dist.barrier()
+            try:
+                self.switch_link(folder)
+            except OSError as err:  # a read-only filesystem, no inodes left, ...
+                linked = self.linked()
+                failed = (f"could not commit checkpoint {folder}: "
+                          f"{checkpoint.write_failure(err, folder)}; it is complete: resume "
+                          f"from it with --resume {folder}"
+                          + (f" ({self.out_dir / 'checkpoint'} still names {linked})"
+                             if linked else ""))
+            else:
+                for old in self.out_dir.glob("checkpoint-*"):
+                    if old != folder:
+                        shutil.rmtree(old, ignore_errors=True)
+                log(self.run, f"checkpoint {folder.name}: {blocked:.2f} s blocking training, "
+                              f"then {seconds - blocked:.2f} s in the background")
+        said = [failed]
+        dist.broadcast_object_list(said, src=0)  # (and no rank goes on before the commit)
+        if said[0]:
+            raise UserError(said[0])
+
+    def switch_link(self, folder: Path) -> None:
+        """The commit: <out-dir>/checkpoint names `folder`, switched in one atomic rename.
+
+        A run folder copied with `scp -r` or `rsync -L` holds a real folder named checkpoint
+        (the copy of the one the link named). A rename cannot put a link over a folder: the
+        copy is renamed to checkpoint-copied-<time> first, a name the removal of older
+        checkpoints, right after this commit, takes away. (Between these two renames, no
+        checkpoint is named; `folder` and the copy are both complete.)
+        """
+        link, temporary = self.out_dir / "checkpoint", self.out_dir / ".checkpoint.link"
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(folder.name)
+        if link.is_dir() and not link.is_symlink():
+            link.rename(self.out_dir / f"checkpoint-copied-{time.time_ns()}")
+        os.replace(temporary, link)  # the commit: the link now names the new folder
 
 
 def export(path: Path | None, out: Path, args) -> None:

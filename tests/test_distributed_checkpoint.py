@@ -41,17 +41,19 @@ def max_difference(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def runs(mnist_root, tmp_path_factory):
     """09 on 2 ranks for 2 epochs, and for 1 epoch; the 1-epoch checkpoint resumed for the
-    second epoch on 1 rank and on 3 ranks."""
+    second epoch on 1 rank and on 3 ranks. The resume on 1 rank continues in a copy of the
+    1-epoch run's folder as `scp -r` or `rsync -L` make it: its link, `checkpoint`, a real folder."""
     root = tmp_path_factory.mktemp("dcp")
     args = [*RESTART_ARGS, "--data-dir", mnist_root]
     result = {}
     for name, nproc, extra in [("straight", 2, []), ("first_epoch", 2, ["--epochs", 1])]:
         proc = run_step(STEP, [*args, *extra, "--out-dir", root / name], nproc=nproc)
         result[name] = {"out": root / name, "stdout": proc.stdout}
+    shutil.copytree(root / "first_epoch", root / "resumed_on_1")  # (symlinks=False: a copy)
     for ranks in (1, 3):
         out = root / f"resumed_on_{ranks}"
-        proc = run_step(STEP, [*args, "--resume", root / "first_epoch" / "checkpoint",
-                               "--out-dir", out], nproc=ranks)
+        resume = (out if ranks == 1 else root / "first_epoch") / "checkpoint"
+        proc = run_step(STEP, [*args, "--resume", resume, "--out-dir", out], nproc=ranks)
         result[f"resumed_on_{ranks}"] = {"out": out, "stdout": proc.stdout}
     return result
 
@@ -62,6 +64,18 @@ def test_fsdp2_with_dcp_ends_with_the_weights_of_ddp(runs, uninterrupted_07):
     assert max_difference(final_weights(runs["straight"]["out"]), ddp) == 0.0
     assert read_summary(runs["straight"]["out"])["train_losses"] == pytest.approx(
         read_summary(uninterrupted_07)["train_losses"], rel=1e-12)
+
+
+def test_a_run_folder_copied_with_its_link_as_a_folder_commits_over_the_copy(runs):
+    """The resume on 1 rank ran in a copied run folder whose `checkpoint` is a real folder: its
+    first commit raised IsADirectoryError (a rename cannot put a link over a folder). Now the
+    copy is moved aside and removed with the older checkpoints, and the link is a link again,
+    to the run's last checkpoint (the run itself ended as the one on 3 ranks did: below)."""
+    out = runs["resumed_on_1"]["out"]
+    assert (out / "checkpoint").is_symlink()
+    assert sorted(p.name for p in out.glob("*checkpoint*")) == ["checkpoint",
+                                                                "checkpoint-epoch2-end"]
+    dcp_checkpoint.complete_folder(out / "checkpoint")
 
 
 @pytest.mark.parametrize("ranks", [1, 3])

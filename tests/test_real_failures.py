@@ -3,11 +3,16 @@ filesystem, a real SIGKILL, real files), since the real failure often raises ano
 type than a mock: a full disk inside torch.save raises RuntimeError, not OSError.
 """
 
+import json
+import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +169,220 @@ def test_a_random_state_file_that_meets_a_full_disk_is_absent_not_cut(small_disk
     with pytest.raises(OSError, match="No space left"):
         dcp_checkpoint.write_atomically(small_disk / "rng-rank0.pt", b"\1" * 2**20)
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
+
+
+# ---------------------------------------------------------------- issue 39, items 4, 5, 7, 8
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(options) -> a folder holding a real tmpfs of its own (size=..., nr_inodes=...),
+    unmounted after the test."""
+    disks = []
+
+    def mount(options: str) -> Path:
+        disk = tmp_path / f"disk{len(disks)}"
+        disk.mkdir()
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)],
+                                 capture_output=True, text=True)
+        if mounted.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (root needed): {mounted.stderr}")
+        disks.append(disk)
+        return disk
+
+    yield mount
+    for disk in disks:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def fill(disk: Path, leave: int = 0) -> None:
+    """Fill `disk` with one file until `leave` bytes (about: tmpfs counts 4 KiB pages) are left."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            if leave:
+                f.write(b"\0" * (shutil.disk_usage(disk).free - leave))
+            else:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        except OSError:  # ENOSPC: full
+            pass
+
+
+def error_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+SMALL_RUN = ["--data", "synthetic", "--train-samples", 24 * 8, "--test-samples", 20,
+             "--batch-size", 24, "--epochs", 1, "--quiet"]
+
+
+def test_a_disk_full_before_the_run_starts_is_one_line_before_training(tmpfs):
+    """TensorBoard's SummaryWriter writes from a thread of its own: on a full disk that thread
+    failed, and the step ended in two tracebacks (the thread's, and the same error raised again
+    in the main thread). Every step 00-09 opens it in one place (metrics.open_tensorboard)."""
+    disk = tmpfs("size=1m")
+    fill(disk)
+    proc = run_step("00_single_gpu.py", [*SMALL_RUN, "--out-dir", disk / "run"], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_no_traceback(proc)
+    assert error_lines(proc) == [f"error: could not write TensorBoard's event file in "
+                                 f"{disk / 'run'}: No space left on device"], proc.stderr
+    assert "epoch 1" not in proc.stdout and not (disk / "run" / "checkpoint.pt").exists()
+
+
+def test_a_full_disk_during_profile_is_one_line_and_leaves_no_partial_trace(tmpfs):
+    """torch's exporter writes <trace>.tmp and renames it; on a full disk it silently left the
+    part it wrote (here ~250 KiB), and our reading of the missing trace ended in a traceback."""
+    disk = tmpfs("size=2m")
+    fill(disk, leave=256 * 1024)
+    free = shutil.disk_usage(disk).free
+    proc = run_step("00_single_gpu.py", [*SMALL_RUN, "--profile", "--out-dir", disk / "run"],
+                    check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_no_traceback(proc)
+    errors = error_lines(proc)
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: could not write the profiler's trace {disk / 'run' / 'profile'}/rank0."), errors
+    assert "disk full?" in errors[0]
+    assert list((disk / "run" / "profile").iterdir()) == []
+    assert shutil.disk_usage(disk).free >= free - 8192  # (the event file: one page)
+
+
+def test_06_prepare_on_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmpfs):
+    """h5py met the full disk in a destructor (tracebacks it could not raise) and the process
+    then crashed in HDF5's close (SIGSEGV), leaving its temporary file, which kept the disk
+    full. Now the file is built in memory and written by checkpoint.write_atomically; the
+    temporary file of a process that died earlier is removed too."""
+    disk = tmpfs("size=2m")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a process id that no longer runs
+    left = disk / f".digits.h5.{socket.gethostname()}.{dead.pid}.tmp"
+    left.write_bytes(b"\0" * 2**17)  # what a crashed prepare left
+    fill(disk, leave=256 * 1024)
+    proc = run_step("06_streaming_h5.py", [
+        "prepare", "--data", "synthetic", "--train-samples", 4000, "--test-samples", 100,
+        "--h5", disk / "digits.h5"], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # not -11 (SIGSEGV)
+    assert_no_traceback(proc)
+    assert error_lines(proc) == [f"error: cannot write {disk / 'digits.h5'}: No space left on "
+                                 f"device"], proc.stderr
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+def stop_and_remount_read_only(proc: subprocess.Popen, disk: Path) -> None:
+    """Make `disk` read-only under a running process, between two of its writes: Linux refuses
+    (EBUSY) while a file is open for writing, so try again until it lands between two."""
+    for _ in range(200):
+        proc.send_signal(signal.SIGSTOP)
+        remounted = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True)
+        proc.send_signal(signal.SIGCONT)
+        if remounted.returncode == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"could not remount {disk} read-only: {remounted.stderr}")
+
+
+def test_a_filesystem_that_turns_read_only_mid_run_is_one_line_and_keeps_the_checkpoint(
+        tmpfs):
+    """Step 07 (plain python), checkpointing every 2 steps; the disk turns read-only after the
+    first checkpoint. The next save fails at its first write; its cleanup then raised EROFS
+    too (a read-only filesystem refuses even to unlink a missing file), as a traceback: every
+    atomic write goes through checkpoint.write_atomically, whose cleanup never raises."""
+    disk = tmpfs("size=64m")
+    cmd = [sys.executable, "07_fault_tolerance.py", "--data", "synthetic", "--train-samples",
+           24 * 60, "--test-samples", 20, "--batch-size", 24, "--epochs", 1,
+           "--checkpoint-every", 2, "--quiet", "--out-dir", disk]
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=base_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (disk / "checkpoint.pt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        stop_and_remount_read_only(proc, disk)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert_no_traceback(done)
+    assert error_lines(done) == [f"error: could not write checkpoint {disk / 'checkpoint.pt'}: "
+                                 f"Read-only file system; the previous checkpoint is unchanged"]
+    assert checkpoint.load(disk / "checkpoint.pt")["position"]["step"] >= 2
+    assert not list(disk.glob(".*.tmp"))
+
+
+COMMITS = textwrap.dedent("""
+    import json, subprocess, sys
+    from pathlib import Path
+    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from concurrent.futures import Future
+    import common
+    from plumbing import step07_fault_tolerance, step09_dcp_checkpoint as dcp_checkpoint
+
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=0, world_size=1)
+    commits = dcp_checkpoint.Commits(out, common.Run(torch.device("cpu")), {"run": 1})
+    done = Future()
+    done.set_result(None)
+
+    def save(name):  # what 09's save() does, with a synchronous dcp.save
+        folder = commits.new_folder(name, step07_fault_tolerance.rng_state())
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=folder)
+        commits.started(done)
+
+    def use_every_inode(use):
+        for n in range(10_000):
+            try:
+                (out / f"inode{n}").touch() if use else (out / f"inode{n}").unlink()
+            except OSError:
+                return
+
+    def attempt(what, action, *args):
+        try:
+            action(*args)
+            print(json.dumps([what, None]), flush=True)
+        except common.UserError as err:
+            print(json.dumps([what, str(err)]), flush=True)
+
+    save("a")
+    commits.finish()  # committed: checkpoint -> checkpoint-a
+    save("b")
+    use_every_inode(True)
+    attempt("commit, no inodes", commits.finish)
+    attempt("mkdir, no inodes", commits.new_folder, "c", {})
+    use_every_inode(False)
+    save("d")
+    subprocess.run(["mount", "-o", "remount,ro", str(out)], check=True)
+    attempt("commit, read-only", commits.finish)
+    attempt("mkdir, read-only", commits.new_folder, "e", {})
+    dist.destroy_process_group()
+""")
+
+
+def test_09_a_folder_or_link_it_cannot_create_is_one_line_and_loses_nothing(tmpfs, tmp_path):
+    """Step 09's Commits on a real filesystem with no inodes left, then read-only: the folder of
+    the next checkpoint (mkdir) and the commit (a new link renamed over the old one) raised
+    OSError as tracebacks. Now each is one line (a UserError: exit 2 on every rank), the link
+    still names the last committed checkpoint, and a complete checkpoint whose commit failed
+    is kept, named in the line."""
+    from plumbing import step09_dcp_checkpoint as dcp_checkpoint
+    disk = tmpfs("size=16m,nr_inodes=64")
+    proc = launch([sys.executable, "-c", COMMITS, str(disk), str(tmp_path / "store")])
+    said = dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
+    for what, folder in [("commit, no inodes", "b"), ("commit, read-only", "d")]:
+        assert said[what] == (
+            f"could not commit checkpoint {disk}/checkpoint-{folder}: "
+            + ("No space left on device (no inodes left there, though bytes are: see df -i)"
+               if "inodes" in what else "Read-only file system")
+            + f"; it is complete: resume from it with --resume {disk}/checkpoint-{folder} "
+            f"({disk}/checkpoint still names checkpoint-a)"), said[what]
+    for what, folder in [("mkdir, no inodes", "c"), ("mkdir, read-only", "e")]:
+        assert said[what] == (
+            f"could not write checkpoint {disk}/checkpoint-{folder}: "
+            + ("No space left on device (no inodes left there, though bytes are: see df -i)"
+               if "inodes" in what else "Read-only file system")
+            + "; removed it, the last complete checkpoint, checkpoint-a, is unchanged"), \
+            said[what]
+    assert os.readlink(disk / "checkpoint") == "checkpoint-a"
+    for folder in "abd":  # the link's, and the two whose commit failed: complete
+        dcp_checkpoint.complete_folder(disk / f"checkpoint-{folder}")
