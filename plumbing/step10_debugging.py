@@ -315,16 +315,18 @@ def pending(state):
 def who_is_behind(states: dict):
     """(ranks behind, a rank ahead), or None when no rank is behind. Behind means fewer
     training steps; at equal steps, absent from a collective (DETAIL's monitored barrier names
-    it), or fewer collectives on DDP's group (the Flight Recorder's counts)."""
-    steps = {r: s["steps"] for r, s in states.items()}
+    it), or fewer collectives on DDP's group (the Flight Recorder's counts). Ranks in order,
+    the rank ahead the lowest of those with the most: the line is the same in every run."""
+    ranks = sorted(states)
+    steps = {r: states[r]["steps"] for r in ranks}
     absent = {r for s in states.values() for r in s["absent"]}
-    seen = {r: s["last"].get("DDP's group", {"seq": 0})["seq"] for r, s in states.items()}
+    seen = {r: states[r]["last"].get("DDP's group", {"seq": 0})["seq"] for r in ranks}
     for counts in (steps, None, seen):
-        if counts is None and absent:
+        if counts is None and absent and set(states) - absent:
             return sorted(absent), min(set(states) - absent)
         if counts is not None and len(set(counts.values())) > 1:
-            return ([r for r in counts if counts[r] == min(counts.values())],
-                    max(counts, key=counts.get))
+            return ([r for r in ranks if counts[r] == min(counts.values())],
+                    max(ranks, key=counts.get))
     return None
 
 
