@@ -19,7 +19,7 @@ The tools, all on in this step and named in its output with what they found:
                 see setup()), the ranks pass a monitored barrier and compare fingerprints (op,
                 shapes, dtypes): a mismatch is a readable error at once, and a rank that does
                 not come is named after --timeout;
-  the Flight Recorder              on by default (torch 2.15: gloo, nccl and legacy nccl):
+  the Flight Recorder              on by default (torch 2.15, gloo and both NCCL backends):
                 each rank keeps its last 2000 collectives (sequence number, op, shapes,
                 completed or not); TORCH_FR_BUFFER_SIZE=N keeps N instead, 0 turns it off.
                 This step collects every rank's record when a collective fails, and writes
@@ -81,8 +81,8 @@ def setup(args):
     the run and `checked`: a second group over the same ranks for this step's own collectives.
 
     DETAIL wraps every group created while it is on, and DDP on a wrapped gloo group crashes
-    in torch 2.14.1 (a segmentation fault while DDP is built: its logger takes the wrapper for
-    a ProcessGroupGloo). So the default group, which DDP uses, is created with DETAIL off and
+    in torch 2.14.1 and 2.15.0 (a segmentation fault while DDP is built: its logger takes the
+    wrapper for a ProcessGroupGloo). So the default group, which DDP uses, is created with DETAIL off and
     `checked` with DETAIL on: DETAIL checks our collectives, the Flight Recorder sees DDP's."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 
 import pytest
-from conftest import assert_no_traceback, run_step
+from conftest import REPO, assert_no_traceback, run_step
 from plumbing import step10_debugging as debug
 
 BUG_TIMEOUT = 6  # seconds a collective waits: skip and uneven hang this long, then fail
@@ -97,6 +98,21 @@ def test_flight_recorder_files_agree_with_fr_trace(bug_runs, caplog, nproc):
     report = caplog.text
     assert "Not all ranks joining collective" in report and "missing ranks: {0}" in report
     assert "missing ranks: {1" not in report
+
+
+def test_the_sample_output_in_docs_is_what_the_step_prints(bug_runs):
+    """docs/debugging.md shows a 2-rank `--bug skip --timeout 6` run, as run here: its Flight
+    Recorder and diagnosis lines are this run's, and every `10_debugging.py:LINE` the page quotes
+    is a line this run names (a line number that moved fails here, not in a reader's hands)."""
+    page = (REPO / "docs" / "debugging.md").read_text()
+    sample = next(block for block in page.split("```")
+                  if "10_debugging.py: world_size=2 bug=skip timeout=6s" in block)
+    printed = bug_runs["skip", 2][1].stdout
+    for line in sample.strip().splitlines():
+        if line.startswith(("[Flight Recorder] rank", "diagnosis: ")):
+            assert line in printed, line
+    quoted = set(re.findall(r"10_debugging\.py:(\d+)", page))
+    assert quoted and all(f"10_debugging.py:{n} in " in printed for n in quoted), quoted
 
 
 def test_fix_exits_0_at_3_ranks(tmp_path):
