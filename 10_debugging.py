@@ -19,7 +19,7 @@ The tools, all on in this step and named in its output with what they found:
                 see setup()), the ranks pass a monitored barrier and compare fingerprints (op,
                 shapes, dtypes): a mismatch is a readable error at once, and a rank that does
                 not come is named after --timeout;
-  the Flight Recorder              on by default (torch 2.15, gloo and both NCCL backends):
+  the Flight Recorder             on by default (torch 2.15, gloo and both NCCL backends):
                 each rank keeps its last 2000 collectives (sequence number, op, shapes,
                 completed or not); TORCH_FR_BUFFER_SIZE=N keeps N instead, 0 turns it off.
                 This step collects every rank's record when a collective fails, and writes
