@@ -82,8 +82,9 @@ def setup(args):
 
     DETAIL wraps every group created while it is on, and DDP on a wrapped gloo group crashes
     in torch 2.14.1 and 2.15.0 (a segmentation fault while DDP is built: its logger takes the
-    wrapper for a ProcessGroupGloo). So the default group, which DDP uses, is created with DETAIL off and
-    `checked` with DETAIL on: DETAIL checks our collectives, the Flight Recorder sees DDP's."""
+    wrapper for a ProcessGroupGloo). So the default group, which DDP uses, is created with
+    DETAIL off and `checked` with DETAIL on: DETAIL checks our collectives, the Flight Recorder
+    sees DDP's."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -232,7 +233,7 @@ def check_the_bug_shows(args, world_size: int) -> None:
         raise common.UserError(f"the planted bugs need 2 or more processes, not {world_size}: "
                                f"torchrun --standalone --nproc-per-node 2 10_debugging.py "
                                f"--bug {args.bug}")
-    per_rank = args.batch_size // world_size
+    per_rank = args.batch_per_rank or args.batch_size // world_size
     if args.bug == "shape" and args.test_samples % world_size == 0:
         raise common.UserError(f"--bug shape: --test-samples {args.test_samples} splits evenly "
                                f"over {world_size} ranks; leave it out (default 10N+1)")

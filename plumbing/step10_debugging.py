@@ -150,8 +150,8 @@ def wait_until_done(done, seconds: float) -> None:
     raise RuntimeError if it is not within `seconds`.
 
     Why: under NCCL, DDP's all-reduces do not block the host. Each bucket's future is complete
-    as soon as the collective is queued (nccl2's WorkNCCL::getFuture, upstream pytorch's
-    torch/csrc/distributed/c10d/nccl2/WorkNCCL.cpp; legacy ProcessGroupNCCL the same), so a
+    as soon as the collective is queued (nccl2's WorkNCCL::getFuture, and legacy
+    ProcessGroupNCCL::collective: upstream pytorch's torch/csrc/distributed/c10d/), so a
     rank whose all-reduce waits for a partner runs on and stops, without a word, in the next
     call that needs a result (.item()). gloo blocks the host in the backward itself. Waiting
     here, with the collective's timeout, makes the NCCL rank fail at the step gloo fails at."""
