@@ -5,11 +5,12 @@ DDP runs one program on every rank and pairs their collectives by order alone: t
 all-reduce of rank 0 meets the n-th of rank 1, whatever each rank meant by it. A rank that
 skips one, or makes one more, leaves the others waiting (until --timeout) or, with gloo, pairs
 two different collectives: tensors of different sizes crash gloo with an unreadable C++ error,
-tensors of the same size are silently summed wrong. The planted bugs are the ones learners meet:
+tensors of the same size are silently summed wrong. The planted bugs are the ones learners meet,
+at any number of ranks N >= 2 (the data is sized so that rank 0 gets one sample more):
 
-  --bug skip    an early stop decided on rank 0 alone: rank 0 leaves the loop, rank 1 trains on
+  --bug skip    an early stop decided on rank 0 alone: rank 0 leaves the loop, the others train on
   --bug shape   a metric whose length depends on the rank's data, all-reduced as it is
-  --bug uneven  hand-made shards of different sizes: rank 0 has one more batch than rank 1
+  --bug uneven  hand-made shards of different sizes: rank 0 has one more batch than the others
   --fix         the corrected code (an all-reduced flag; counts first, then equal shapes;
                 DistributedSampler's padding) under the same conditions
 
@@ -18,17 +19,20 @@ The tools, all on in this step and named in its output with what they found:
                 see setup()), the ranks pass a monitored barrier and compare fingerprints (op,
                 shapes, dtypes): a mismatch is a readable error at once, and a rank that does
                 not come is named after --timeout;
-  TORCH_FR_BUFFER_SIZE=N          the Flight Recorder: each rank keeps its last N collectives
-                (sequence number, op, shapes, completed or not); this step collects every
-                rank's record when a collective fails, and writes files for torch's analyser;
+  the Flight Recorder             on by default (torch 2.15, gloo and both NCCL backends):
+                each rank keeps its last 2000 collectives (sequence number, op, shapes,
+                completed or not); TORCH_FR_BUFFER_SIZE=N keeps N instead, 0 turns it off.
+                This step collects every rank's record when a collective fails, and writes
+                files for torch's analyser;
   py-spy dump --pid PID           (optional, pip install py-spy) the line a stuck process is on.
-Set either variable yourself to override this step's choice, e.g. TORCH_DISTRIBUTED_DEBUG=OFF
-to watch gloo fail without DETAIL (--bug shape then ends in gloo's own abort, undiagnosed).
+On GPUs (NCCL) the step also sets TORCH_NCCL_BLOCKING_WAIT=1: see turn_on_tools().
+Set a variable yourself to override this step's choice, e.g. TORCH_DISTRIBUTED_DEBUG=OFF to
+watch gloo fail without DETAIL (--bug shape then ends in gloo's own abort, undiagnosed).
 
-Run it:
+Run it (any --nproc-per-node from 2; on GPUs, one per GPU):
     torchrun --standalone --nproc-per-node 2 10_debugging.py --bug skip
     torchrun --standalone --nproc-per-node 2 10_debugging.py --bug shape
-    torchrun --standalone --nproc-per-node 2 10_debugging.py --bug uneven
+    torchrun --standalone --nproc-per-node 3 10_debugging.py --bug uneven
     torchrun --standalone --nproc-per-node 2 10_debugging.py --fix
     python -m torch.distributed.flight_recorder.fr_trace runs/10_debugging/flight_recorder
 
@@ -38,7 +42,7 @@ missed, or the shapes that differ. Then find the line marked "BUG" below.
 
 Read also: plumbing/step10_debugging.py (asking every rank for its state once one has failed,
 and turning those states into the one diagnosis line),
-docs/debugging.md (each tool in depth, what works with gloo and what does not).
+docs/debugging.md (each tool in depth, what works with gloo and NCCL and what does not).
 """
 
 import datetime
@@ -60,9 +64,16 @@ EXIT_HANG = 3  # the exit code of a run whose collective failed (as in plumbing/
 
 
 def turn_on_tools() -> None:
-    """Both variables are read when a process group is created, so set them before."""
+    """The variables are read when a process group is created, so set them before.
+
+    NCCL's collectives return before they are done, and by default a watchdog thread ends the
+    whole process (SIGABRT) once one times out: nothing raises in Python, so nothing can be
+    diagnosed. With TORCH_NCCL_BLOCKING_WAIT=1 there is no such abort; a timed-out collective
+    raises in the thread that waits for it, like gloo's. Both NCCL backends of torch 2.15 read
+    it: ProcessGroupNCCL.hpp (TORCH_NCCL_BLOCKING_WAIT) and nccl2/ProcessGroupNCCL.hpp
+    (blocking_wait_: "Blocking wait has no watchdog"). gloo ignores it."""
     os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
 
 
 def setup(args):
@@ -70,9 +81,10 @@ def setup(args):
     the run and `checked`: a second group over the same ranks for this step's own collectives.
 
     DETAIL wraps every group created while it is on, and DDP on a wrapped gloo group crashes
-    in torch 2.14.1 (a segmentation fault while DDP is built: its logger takes the wrapper for
-    a ProcessGroupGloo). So the default group, which DDP uses, is created with DETAIL off and
-    `checked` with DETAIL on: DETAIL checks our collectives, the Flight Recorder sees DDP's."""
+    in torch 2.14.1 and 2.15.0 (a segmentation fault while DDP is built: its logger takes the
+    wrapper for a ProcessGroupGloo). So the default group, which DDP uses, is created with
+    DETAIL off and `checked` with DETAIL on: DETAIL checks our collectives, the Flight Recorder
+    sees DDP's."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -95,8 +107,8 @@ def setup(args):
 def training_shard(train_set, run, args):
     """This rank's share of the training set, and the sampler to reshuffle (None if none)."""
     if args.bug == "uneven":
-        # BUG uneven: a strided shard by hand. 65 samples give rank 0 33 and rank 1 32:
-        # 5 batches of 8 against 4, so rank 0's fifth all-reduce waits for a partner.
+        # BUG uneven: a strided shard by hand. 32N+1 samples give rank 0 33 and the others
+        # 32: 5 batches of 8 against 4, so rank 0's fifth all-reduce waits for partners.
         return Subset(train_set, range(run.rank, len(train_set), run.world_size)), None
     # Fix: DistributedSampler pads with repeats until every rank has as many samples (or
     # drop_last=True drops the rest; torch.distributed.algorithms.Join lets ranks that ran out
@@ -106,7 +118,7 @@ def training_shard(train_set, run, args):
     return train_set, sampler
 
 
-def train_one_epoch(model, loader, optimizer, run, checked, progress):
+def train_one_epoch(model, loader, optimizer, run, checked, progress, timeout):
     """One pass over this rank's batches; returns the mean loss over every rank's samples."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=run.device)  # loss sum, samples
@@ -117,6 +129,10 @@ def train_one_epoch(model, loader, optimizer, run, checked, progress):
         loss = F.cross_entropy(model(images), labels)
         loss.backward()  # DDP all-reduces the gradients in here: one collective per bucket
         optimizer.step()
+        if run.device.type == "cuda":  # NCCL's all-reduces do not block: wait, with a timeout
+            done = torch.cuda.Event()
+            done.record()
+            debug.wait_until_done(done, timeout)
         totals[0] += loss.detach().double() * len(labels)
         totals[1] += len(labels)
     dist.all_reduce(totals, group=checked)
@@ -128,7 +144,7 @@ def should_stop(mean_loss, run, checked, args) -> bool:
     wants_to_stop = mean_loss < args.stop_at_loss
     if args.bug == "skip":
         # BUG skip: the check sits in rank 0's printing block, so rank 0 alone leaves the loop
-        # and rank 1 waits in its next epoch's first all-reduce.
+        # and the other ranks wait in their next epoch's first all-reduce.
         return run.is_main and wants_to_stop
     # Fix: decide on every rank. One all-reduced flag (stop if any rank wants to) makes the
     # decision the same everywhere, whatever each rank measured.
@@ -139,7 +155,8 @@ def should_stop(mean_loss, run, checked, args) -> bool:
 
 @torch.no_grad()
 def test_losses(model, test_shard, run) -> torch.Tensor:
-    """The loss of every test sample in this rank's shard (11 samples on rank 0, 10 on 1)."""
+    """The loss of every test sample in this rank's shard (11 samples on rank 0, 10 on the
+    others: 10N+1 test samples)."""
     model.eval()
     images, labels = zip(*[test_shard[i] for i in range(len(test_shard))])
     logits = model(torch.stack(images).to(run.device))
@@ -182,9 +199,9 @@ def report_failure(err, run, args, progress, watcher) -> None:
     (a gloo group whose collective failed cannot be destroyed cleanly: leave at once)."""
     watcher.stop(publish_last_state=False)
     state = rank_state(run, progress, err)
-    # Which tool spoke: DETAIL's checks (on `checked`), or gloo itself (DDP's group).
+    # Which tool spoke: DETAIL's checks (on `checked`), or the backend itself (gloo, nccl).
     from_detail = state["detail"] or state["absent"] or "monitoredBarrier" in (state["error"] or "")
-    tool = "TORCH_DISTRIBUTED_DEBUG=DETAIL" if from_detail else "gloo"
+    tool = "TORCH_DISTRIBUTED_DEBUG=DETAIL" if from_detail else run.backend
     print(f"[{tool}] rank {run.rank}: {debug.short(state['error'])}", flush=True)
     debug.publish(run.rank, state)
     debug.store().set(debug.REQUEST, "1")  # the other ranks' watchers publish theirs now
@@ -210,6 +227,22 @@ def report_failure(err, run, args, progress, watcher) -> None:
     os._exit(EXIT_HANG)
 
 
+def check_the_bug_shows(args, world_size: int) -> None:
+    """A bug planted where it cannot show would end in a clean exit, not a lesson."""
+    if args.bug and world_size < 2:
+        raise common.UserError(f"the planted bugs need 2 or more processes, not {world_size}: "
+                               f"torchrun --standalone --nproc-per-node 2 10_debugging.py "
+                               f"--bug {args.bug}")
+    per_rank = args.batch_per_rank or args.batch_size // world_size
+    if args.bug == "shape" and args.test_samples % world_size == 0:
+        raise common.UserError(f"--bug shape: --test-samples {args.test_samples} splits evenly "
+                               f"over {world_size} ranks; leave it out (default 10N+1)")
+    if args.bug == "uneven" and (args.train_samples % world_size == 0 or
+                                 args.train_samples // world_size % max(per_rank, 1)):
+        raise common.UserError(f"--bug uneven: with --train-samples {args.train_samples} rank 0 "
+                               f"has no extra batch; leave it out (default 32N+1)")
+
+
 def main():
     parser = flags.parser(__doc__, __file__)
     choice = parser.add_mutually_exclusive_group(required=True)
@@ -219,25 +252,25 @@ def main():
     parser.add_argument("--stop-at-loss", type=flags.positive_float("--stop-at-loss"),
                         default=10.0, metavar="LOSS", help="stop early once the mean training "
                         "loss is below LOSS (default 10: after the first epoch)")
-    # Small and quick: each bug shows within seconds (a CPU laptop, 2 processes).
-    parser.set_defaults(timeout=10, data="synthetic", train_samples=65, test_samples=21,
-                        batch_size=16, epochs=2, quiet=True)
+    # Small and quick: each bug shows within seconds (a CPU laptop, 2 processes). Sized for N
+    # ranks: 8 samples per rank and step, 4 steps per rank, and one sample more for rank 0.
+    n = int(os.environ.get("WORLD_SIZE", 1))
+    parser.set_defaults(timeout=10, data="synthetic", train_samples=32 * n + 1,
+                        test_samples=10 * n + 1, batch_size=8 * n, epochs=2, quiet=True)
     args = parser.parse_args()
     if args.lr_scaling != "none":  # a shared flag, but this step has no learning-rate schedule
         parser.error("--lr-scaling: 10_debugging.py trains at a fixed --lr (steps 00-09 scale)")
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if args.bug and world_size != 2:  # checked before any work starts
-        raise common.UserError(f"the planted bugs are sized for 2 processes, not {world_size}: "
-                               f"torchrun --standalone --nproc-per-node 2 10_debugging.py "
-                               f"--bug {args.bug}")
+    check_the_bug_shows(args, n)  # before any work starts
     turn_on_tools()
     run, checked = setup(args)
     train_set, test_set = data.load_datasets(args, run, download=run.is_main)
     plan = common.plan_batches(args, run.world_size, len(train_set))
+    recorder = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000 (default)")
     common.log(run, f"10_debugging.py: world_size={run.world_size} "
                     f"{'bug=' + args.bug if args.bug else 'fixed'} timeout={args.timeout:g}s "
+                    f"backend={debug.serving_backend()} "
                     f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']} "
-                    f"TORCH_FR_BUFFER_SIZE={os.environ['TORCH_FR_BUFFER_SIZE']}")
+                    f"TORCH_FR_BUFFER_SIZE={recorder}")
     shard, sampler = training_shard(train_set, run, args)
     loader = data.make_loader(shard, plan.per_rank, run, args, sampler=sampler)
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
@@ -254,7 +287,8 @@ def main():
             common.seed_everything(args.seed, epoch, run.rank)
             if sampler is not None:
                 sampler.set_epoch(epoch)
-            mean_loss = train_one_epoch(model, loader, optimizer, run, checked, progress)
+            mean_loss = train_one_epoch(model, loader, optimizer, run, checked, progress,
+                                        args.timeout)
             common.log(run, f"epoch {epoch + 1}: mean training loss {mean_loss:.4f}")
             if should_stop(mean_loss, run, checked, args):
                 common.log(run, f"stopping early: loss below {args.stop_at_loss:g}")

@@ -145,6 +145,7 @@ def run_main(main) -> None:
     """
     code, torn_down_cleanly = 0, True
     try:
+        check_torch_variables()
         main()
     except BaseException as err:  # noqa: BLE001 -- sorted below; the rest is re-raised
         signals_end_the_process()  # from here on, a second Ctrl-C or SIGTERM ends it at once
@@ -160,6 +161,21 @@ def run_main(main) -> None:
             dist.destroy_process_group()
     if code:
         sys.exit(code)
+
+
+def check_torch_variables() -> None:
+    """Refuse a Flight Recorder size that torch cannot read, before any work. torch 2.15 reads
+    it in C++ when the first process group is made (FlightRecorder.hpp, getCvarInt): an empty
+    or non-numeric value, or one past 2^31-1, ends the process there with SIGABRT and no
+    message; "1.5" becomes 1 in C++ and a traceback in Python (distributed_c10d.py,
+    _maybe_attach_flight_recorder). A negative value turns the recorder off without a word."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):  # the second: old name
+        value = os.environ.get(name)
+        if value is not None and not (value.isascii() and value.isdigit() and
+                                      int(value) < 2**31):
+            raise UserError(f"{name}={value!r}: the Flight Recorder keeps that many collectives "
+                            f"per rank; give a whole number from 0 (off) to 2147483647, or unset "
+                            f"it (torch's default: 2000)")
 
 
 def exit_code(err: BaseException) -> int | None:

@@ -1,16 +1,27 @@
 """What step 10 needs to ask every rank "where are you?" once a collective has failed.
 
-Step 10 first needs it. With NCCL, the watchdog thread notices a timed-out collective and every
-rank dumps its Flight Recorder (TORCH_NCCL_DUMP_ON_TIMEOUT, signalled through the store). gloo
-on torch 2.14 has no such watchdog: a failed collective raises on the ranks that were in it, and
-nothing at all happens on a rank that is elsewhere. So every rank runs a small thread here that
-waits for a request in the store (the key/value server every process group already has) and
-then publishes its state: its Flight Recorder's last collective, its step count and the line its
-main thread is on. A rank that leaves early publishes its last state on the way out.
+Step 10 first needs it. A failed collective raises only on the ranks that were in it (gloo; NCCL
+with TORCH_NCCL_BLOCKING_WAIT=1, which step 10 sets), and nothing at all happens on a rank that
+is elsewhere. So every rank runs a small thread here that waits for a request in the store (the
+key/value server every process group already has) and then publishes its state: its Flight
+Recorder's last collectives, its step count and the line its main thread is on. A rank that
+leaves early publishes its last state on the way out.
+
+Every private torch API step 10 uses is imported here, in this one file (a version gate needs to
+look nowhere else):
+  torch._C._distributed_c10d._dump_fr_trace    the Flight Recorder of gloo and of hooked backends
+                                               (absent in torch 2.6.0: the import fails; present
+                                               in 2.14.1 and 2.15.0; its `backend=` argument is
+                                               read here only for nccl2, which is new in 2.15)
+  torch._C._distributed_c10d._dump_nccl_trace  legacy ProcessGroupNCCL's own recorder (CUDA
+                                               builds only: imported when that backend is used)
+  ProcessGroup._get_backend(device).name()     which backend serves a group ("gloo", "nccl2",
+                                               or "nccl" for the legacy one)
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -39,15 +50,49 @@ def store():
 
 
 # ---------------------------------------------------------------- what one rank knows
-def flight_record() -> dict:
-    """This rank's Flight Recorder buffer, as the pickled dict `_dump_fr_trace` returns.
+def serving_backend(group=None) -> str:
+    """The name of the backend that carries `group`'s collectives (the default group: DDP's):
+    "gloo"; "nccl2" (what the name `nccl` builds in torch 2.15: distributed_c10d.py,
+    _register_builtin_nccl_backend); or "nccl", the legacy ProcessGroupNCCL (with
+    TORCH_DIST_USE_NCCL2=0, or the name "nccl-legacy")."""
+    group = group or dist.distributed_c10d._get_default_group()
+    return group._get_backend(group._device_types[0]).name()
+
+
+def dump_for(backend: str):
+    """The function that returns `backend`'s Flight Recorder buffer as a pickle. Each backend
+    records into its own buffer (torch 2.15, FlightRecorder.hpp, getFlightRecorder):
+    - gloo records natively, into the buffer `_dump_fr_trace()` reads by default;
+    - nccl2 records nothing itself: distributed_c10d.py (_maybe_attach_flight_recorder)
+      attaches a FlightRecorderHook to each of its groups, which records into a buffer keyed
+      by the backend's name, "nccl2" (hooks/FlightRecorderHook.hpp); `_dump_fr_trace()` alone
+      would read gloo's, where DDP's NCCL collectives never are;
+    - legacy ProcessGroupNCCL records natively into a buffer of its own (of CUDA events),
+      which only `_dump_nccl_trace()` reads.
     Without stack traces: symbolising them costs seconds on the first dump."""
-    return pickle.loads(_dump_fr_trace(includeStackTraces=False))
+    if backend == "nccl":
+        from torch._C._distributed_c10d import _dump_nccl_trace  # only in CUDA builds
+        return functools.partial(_dump_nccl_trace, includeStackTraces=False)
+    if backend == "gloo":  # the default buffer (no backend= argument before torch 2.15)
+        return functools.partial(_dump_fr_trace, includeStackTraces=False)
+    return functools.partial(_dump_fr_trace, includeStackTraces=False, backend=backend)
 
 
-# pg_id in the record: the default group (DDP's) is created first, step 10's `checked` group
-# second; DETAIL's helper group for `checked`, when there is one, comes after and is left out.
-GROUPS = {0: "DDP's group", 1: "checked group"}
+def flight_record() -> dict:
+    """This rank's Flight Recorder buffer for the backend that carries DDP's collectives."""
+    return pickle.loads(dump_for(serving_backend())())
+
+
+def group_names(record: dict) -> dict[int, str]:
+    """{pg_id: name} for the two groups step 10 reads in a record. DDP's group is the one whose
+    entries are named ('0', 'default_pg'), or else pg_id 0; step 10's `checked` group is the next
+    pg_id. (gloo names a DETAIL-wrapped group's entries ('', ''), and DETAIL's helper group,
+    created after `checked`, records into gloo's buffer too: the pg_ids tell them apart.)"""
+    ids = sorted({e["pg_id"] for e in record.get("entries", [])})
+    default = next((e["pg_id"] for e in record.get("entries", [])
+                    if tuple(e["process_group"]) == ("0", "default_pg")), 0)
+    others = [i for i in ids if i != default]
+    return {default: "DDP's group", **({others[0]: "checked group"} if others else {})}
 
 
 def collective(entry: dict) -> dict:
@@ -58,10 +103,10 @@ def collective(entry: dict) -> dict:
 
 def last_collectives(record: dict) -> dict[str, dict]:
     """The newest entry of each group, by the group's name."""
-    newest = {}
+    newest, names = {}, group_names(record)
     for e in record.get("entries", []):
-        if e["pg_id"] in GROUPS:
-            name = GROUPS[e["pg_id"]]
+        if e["pg_id"] in names:
+            name = names[e["pg_id"]]
             if name not in newest or e["collective_seq_id"] > newest[name]["seq"]:
                 newest[name] = collective(e)
     return newest
@@ -69,8 +114,9 @@ def last_collectives(record: dict) -> dict[str, dict]:
 
 def pending_collective(record: dict) -> dict | None:
     """The collective this rank entered and never completed (retired False), if any."""
+    names = group_names(record)
     waiting = [collective(e) for e in record.get("entries", [])
-               if e["pg_id"] in GROUPS and not e["retired"]]
+               if e["pg_id"] in names and not e["retired"]]
     return waiting[-1] if waiting else None
 
 
@@ -94,9 +140,28 @@ def main_thread_line(script: str) -> str:
 
 def waiting_in_torch(stack) -> bool:
     """The main thread is inside a collective or a backward (where DDP waits for its
-    all-reduces), not in our own code."""
-    return bool(stack) and any(part in stack[-1].filename
-                               for part in ("torch/distributed", "torch/autograd"))
+    all-reduces) or waits for its GPU (wait_until_done), not in our own code."""
+    return bool(stack) and any(part in stack[-1].filename for part in (
+        "torch/distributed", "torch/autograd", Path(__file__).name))
+
+
+def wait_until_done(done, seconds: float) -> None:
+    """Wait until `done.query()` (a torch.cuda.Event recorded after a training step) is true;
+    raise RuntimeError if it is not within `seconds`.
+
+    Why: under NCCL, DDP's all-reduces do not block the host. Each bucket's future is complete
+    as soon as the collective is queued (nccl2's WorkNCCL::getFuture, and legacy
+    ProcessGroupNCCL::collective: upstream pytorch's torch/csrc/distributed/c10d/), so a
+    rank whose all-reduce waits for a partner runs on and stops, without a word, in the next
+    call that needs a result (.item()). gloo blocks the host in the backward itself. Waiting
+    here, with the collective's timeout, makes the NCCL rank fail at the step gloo fails at."""
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"this training step's GPU work did not finish within "
+                               f"{seconds:g} s (--timeout): one of DDP's all-reduces waits "
+                               f"for a rank that never joined it")
+        time.sleep(0.001)
 
 
 def detail_fingerprint(message: str) -> dict | None:
@@ -216,15 +281,19 @@ def py_spy(pid: int, script: str) -> str:
 # ---------------------------------------------------------------- files for fr_trace
 def write_fr_dumps(folder: Path, records: dict[int, dict]) -> None:
     """One file per rank, as torch's analyser wants them: `python -m
-    torch.distributed.flight_recorder.fr_trace FOLDER`. Two changes make gloo's dumps (torch
-    2.14) readable to it: pg_config lists the default group under the key '' while its entries
-    name it '0' (fr_trace stops with KeyError ('0', 1)), and every other group's entries are
-    named '' too, so they are left out: the files hold DDP's group only."""
+    torch.distributed.flight_recorder.fr_trace FOLDER`. The files hold DDP's group only, its
+    entries under one name that pg_config also lists: gloo's dumps (torch 2.14.1 and 2.15.0)
+    list the default group in pg_config under the key '' while its entries name it '0'
+    (fr_trace stops with KeyError ('0', 1)), and name every DETAIL-wrapped group's entries ''
+    (our `checked` group, and DETAIL's helper group), so those are left out."""
     folder.mkdir(parents=True, exist_ok=True)
     for rank, record in records.items():
-        entries = [e for e in record["entries"] if e["pg_id"] == 0]
+        ddp = next(i for i, name in group_names(record).items() if name == "DDP's group")
+        entries = [e for e in record.get("entries", []) if e["pg_id"] == ddp]
         names = {e["process_group"][0] for e in entries} or {"0"}
-        config = {names.pop(): {**record["pg_config"].get("", {}), "desc": "default_pg"}}
+        name = names.pop()
+        config = record.get("pg_config", {})
+        config = {name: {**config.get(name, config.get("", {})), "desc": "default_pg"}}
         tmp = folder / f".rank{rank}.tmp"
         tmp.write_bytes(pickle.dumps({**record, "entries": entries, "pg_config": config}))
         os.replace(tmp, folder / f"rank{rank}")
@@ -246,16 +315,18 @@ def pending(state):
 def who_is_behind(states: dict):
     """(ranks behind, a rank ahead), or None when no rank is behind. Behind means fewer
     training steps; at equal steps, absent from a collective (DETAIL's monitored barrier names
-    it), or fewer collectives on DDP's group (the Flight Recorder's counts)."""
-    steps = {r: s["steps"] for r, s in states.items()}
+    it), or fewer collectives on DDP's group (the Flight Recorder's counts). Ranks in order,
+    the rank ahead the lowest of those with the most: the line is the same in every run."""
+    ranks = sorted(states)
+    steps = {r: states[r]["steps"] for r in ranks}
     absent = {r for s in states.values() for r in s["absent"]}
-    seen = {r: s["last"].get("DDP's group", {"seq": 0})["seq"] for r, s in states.items()}
+    seen = {r: states[r]["last"].get("DDP's group", {"seq": 0})["seq"] for r in ranks}
     for counts in (steps, None, seen):
-        if counts is None and absent:
+        if counts is None and absent and set(states) - absent:
             return sorted(absent), min(set(states) - absent)
         if counts is not None and len(set(counts.values())) > 1:
-            return ([r for r in counts if counts[r] == min(counts.values())],
-                    max(counts, key=counts.get))
+            return ([r for r in ranks if counts[r] == min(counts.values())],
+                    max(ranks, key=counts.get))
     return None
 
 
@@ -271,27 +342,42 @@ def missed_collective(states: dict, behind: int, ahead: int) -> str:
     return describe(missed) if missed else "(none recorded)"
 
 
+def odd_one_out(ops: dict) -> str:
+    """' (rank R differs)' when every rank but R holds one shape (3 ranks or more)."""
+    shapes = {r: str(o["shapes"]) for r, o in ops.items()}
+    for r, shape in shapes.items():
+        rest = {s for q, s in shapes.items() if q != r}
+        if len(shapes) > 2 and len(rest) == 1 and shape not in rest:
+            return f" (rank {r} differs)"
+    return ""
+
+
 def diagnose(states: dict, world_size: int) -> str:
     """One line: the rank that is behind and the collective it missed, or the shapes that
     differ, or (failing both) where each rank is."""
     gone = [r for r in range(world_size) if r not in states]
     if gone:
         return (f"rank {', '.join(map(str, gone))} died without a word (gloo aborts a process "
-                f"whose collective received more data than it expected): see its output above")
+                f"whose collective received more data than it expected, NCCL's watchdog one "
+                f"whose collective timed out): see its output above")
     found = who_is_behind(states)
     if found:
         behind, ahead = found
         steps = (f" ({states[behind[0]]['steps']} training steps, rank {ahead} took "
                  f"{states[ahead]['steps']})" if states[behind[0]]["steps"] !=
                  states[ahead]["steps"] else "")
-        return (f"rank {', '.join(map(str, behind))} is behind{steps}: it missed collective "
+        who = (f"rank {behind[0]} is behind{steps}: it" if len(behind) == 1 else
+               f"ranks {', '.join(map(str, behind))} are behind{steps}: they")
+        return (f"{who} missed collective "
                 f"{missed_collective(states, behind[0], ahead)}, which rank {ahead} waits in "
                 f"at {states[ahead]['where']}; rank {behind[0]} is at "
                 f"{states[behind[0]]['where']}")
     ops = {r: pending(s) for r, s in states.items()}
     if all(ops.values()) and len({o["op"] for o in ops.values()}) == 1:
-        return (f"collective #{ops[0]['seq']} ({ops[0]['op']}) got tensors of different "
-                f"shapes: " + "; ".join(f"rank {r} {describe(o).split(' of ')[1]} at "
-                                        f"{states[r]['where']}" for r, o in ops.items()))
+        first = ops[min(ops)]
+        return (f"collective #{first['seq']} ({first['op']}) got tensors of different shapes"
+                f"{odd_one_out(ops)}: " + "; ".join(f"rank {r} {describe(o).split(' of ')[1]} "
+                                                   f"at {states[r]['where']}"
+                                                   for r, o in sorted(ops.items())))
     return "ranks disagree: " + "; ".join(f"rank {r} in {describe(o) if o else 'no collective'}"
                                           f" at {states[r]['where']}" for r, o in ops.items())

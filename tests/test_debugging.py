@@ -1,36 +1,40 @@
 """Step 10: every planted bug ends, non-zero, in seconds, with one line naming the rank that is
-behind (or the shapes that differ); --fix exits 0. One torchrun per bug and one for --fix.
+behind (or the shapes that differ), at 2 and at 3 ranks; --fix exits 0. One torchrun per bug and
+world size, and one for --fix at 3 ranks (the harder split: 97 training samples padded to 99,
+31 test samples in unequal counts; the 2-rank --fix runs in tests/test_gpu.py under NCCL).
 
 The diagnosis itself is also checked without processes, on made-up states, for the branches no
-planted bug reaches (a rank in no collective, a rank that died).
+planted bug reaches (a rank in no collective, a rank that died) and for 4 ranks; so is the choice
+of the Flight Recorder to read for each backend (NCCL cannot run here).
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
+import re
 
 import pytest
-from conftest import assert_no_traceback, run_step
+from conftest import REPO, assert_no_traceback, run_step
 from plumbing import step10_debugging as debug
 
 BUG_TIMEOUT = 6  # seconds a collective waits: skip and uneven hang this long, then fail
 HANG_GUARD_SECONDS = 180  # a run that has not ended by then hangs (startup alone is ~10 s)
-
-
-def load_step():
-    """Where step 10's diagnosis line is made (plumbing/step10_debugging.py)."""
-    return debug
+BUGS = ("skip", "shape", "uneven")
+WORLDS = (2, 3)
 
 
 @pytest.fixture(scope="module")
 def bug_runs(tmp_path_factory):
-    """Each bug once, with the step's defaults (65 synthetic samples) but a shorter timeout."""
+    """Each bug once at 2 and once at 3 ranks, with the step's defaults (sized for the world
+    size: rank 0 gets one sample more) but a shorter timeout."""
     runs = {}
-    for bug in ("skip", "shape", "uneven"):
-        out = tmp_path_factory.mktemp(bug)
-        args = ["--bug", bug, "--timeout", BUG_TIMEOUT, "--out-dir", out]
-        runs[bug] = (out, run_step("10_debugging.py", args, nproc=2, check=False,
-                                   timeout=HANG_GUARD_SECONDS))
+    for nproc in WORLDS:
+        for bug in BUGS:
+            out = tmp_path_factory.mktemp(f"{bug}{nproc}")
+            args = ["--bug", bug, "--timeout", BUG_TIMEOUT, "--out-dir", out]
+            runs[bug, nproc] = (out, run_step("10_debugging.py", args, nproc=nproc, check=False,
+                                              timeout=HANG_GUARD_SECONDS))
     return runs
 
 
@@ -41,107 +45,204 @@ def diagnosis(proc) -> str:
     return last
 
 
-@pytest.mark.parametrize("bug", ["skip", "shape", "uneven"])
-def test_bug_ends_nonzero_with_a_diagnosis(bug_runs, bug):
-    out, proc = bug_runs[bug]
+@pytest.mark.parametrize("nproc", WORLDS)
+@pytest.mark.parametrize("bug", BUGS)
+def test_bug_ends_nonzero_with_a_diagnosis(bug_runs, bug, nproc):
+    out, proc = bug_runs[bug, nproc]
     assert proc.returncode != 0
     assert_no_traceback(proc)
     diagnosis(proc)
+    assert "backend=gloo" in proc.stdout and "TORCH_FR_BUFFER_SIZE=2000 (default)" in proc.stdout
     # Each tool is named with what it found, for every rank.
     assert "[TORCH_DISTRIBUTED_DEBUG=DETAIL] rank " in proc.stdout
-    for rank in (0, 1):
+    for rank in range(nproc):
         assert f"[Flight Recorder] rank {rank} (" in proc.stdout
         assert (out / "flight_recorder" / f"rank{rank}").is_file()
+    assert "last collectives: none" not in proc.stdout
 
 
-def test_skip_names_rank_0_behind(bug_runs):
-    line = diagnosis(bug_runs["skip"][1])
-    # Rank 0 stopped after epoch 1; rank 1 waits in epoch 2's first gradient all-reduce.
+@pytest.mark.parametrize("nproc", WORLDS)
+def test_skip_names_rank_0_behind(bug_runs, nproc):
+    line = diagnosis(bug_runs["skip", nproc][1])
+    # Rank 0 stopped after epoch 1; the others wait in epoch 2's first gradient all-reduce.
     assert "rank 0 is behind (5 training steps, rank 1 took 6)" in line
     assert "missed collective #" in line
     assert "which rank 1 waits in at 10_debugging.py" in line and "in train_one_epoch" in line
 
 
-def test_uneven_names_rank_1_behind(bug_runs):
-    line = diagnosis(bug_runs["uneven"][1])
-    # 33 samples on rank 0 (5 batches of 8), 32 on rank 1 (4).
-    assert "rank 1 is behind (4 training steps, rank 0 took 5)" in line
+@pytest.mark.parametrize("nproc, behind", [(2, "rank 1 is"), (3, "ranks 1, 2 are")])
+def test_uneven_names_the_ranks_with_one_batch_less(bug_runs, nproc, behind):
+    line = diagnosis(bug_runs["uneven", nproc][1])
+    # 32N+1 samples: 33 on rank 0 (5 batches of 8), 32 on each other rank (4).
+    assert f"{behind} behind (4 training steps, rank 0 took 5)" in line
     assert "which rank 0 waits in at 10_debugging.py" in line
 
 
-def test_shape_names_both_shapes(bug_runs):
-    line = diagnosis(bug_runs["shape"][1])
-    # 21 test samples: 11 on rank 0, 10 on rank 1.
-    assert "got tensors of different shapes" in line
-    assert "rank 0 [11] Float" in line and "rank 1 [10] Float" in line
+@pytest.mark.parametrize("nproc", WORLDS)
+def test_shape_names_every_rank_s_shape(bug_runs, nproc):
+    line = diagnosis(bug_runs["shape", nproc][1])
+    # 10N+1 test samples: 11 on rank 0, 10 on each other rank.
+    assert "got tensors of different shapes" in line and "rank 0 [11] Float" in line
+    assert all(f"rank {r} [10] Float" in line for r in range(1, nproc))
+    assert ("(rank 0 differs)" in line) == (nproc > 2)  # at 2 ranks, neither is the odd one
 
 
-def test_flight_recorder_files_agree_with_fr_trace(bug_runs, caplog):
+@pytest.mark.parametrize("nproc", WORLDS)
+def test_flight_recorder_files_agree_with_fr_trace(bug_runs, caplog, nproc):
     """torch's own analyser reads the files the step wrote (DDP's group, keys renamed) and
     finds the same rank missing from the same collective. (It reports through logging.)"""
     from torch.distributed.flight_recorder.fr_trace import main as fr_trace
 
     caplog.set_level(logging.INFO)
-    fr_trace([str(bug_runs["skip"][0] / "flight_recorder")])
+    fr_trace([str(bug_runs["skip", nproc][0] / "flight_recorder")])
     report = caplog.text
     assert "Not all ranks joining collective" in report and "missing ranks: {0}" in report
-    assert "missing ranks: {1}" not in report
+    assert "missing ranks: {1" not in report
 
 
-def test_fix_exits_0(tmp_path):
-    proc = run_step("10_debugging.py", ["--fix", "--out-dir", tmp_path], nproc=2,
+def test_the_sample_output_in_docs_is_what_the_step_prints(bug_runs):
+    """docs/debugging.md shows a 2-rank `--bug skip --timeout 6` run, as run here: its Flight
+    Recorder and diagnosis lines are this run's, and every `10_debugging.py:LINE` the page quotes
+    is a line this run names (a line number that moved fails here, not in a reader's hands)."""
+    page = (REPO / "docs" / "debugging.md").read_text()
+    sample = next(block for block in page.split("```")
+                  if "10_debugging.py: world_size=2 bug=skip timeout=6s" in block)
+    printed = bug_runs["skip", 2][1].stdout
+    for line in sample.strip().splitlines():
+        if line.startswith(("[Flight Recorder] rank", "diagnosis: ")):
+            assert line in printed, line
+    quoted = set(re.findall(r"10_debugging\.py:(\d+)", page))
+    assert quoted and all(f"10_debugging.py:{n} in " in printed for n in quoted), quoted
+
+
+def test_fix_exits_0_at_3_ranks(tmp_path):
+    proc = run_step("10_debugging.py", ["--fix", "--out-dir", tmp_path], nproc=3,
                     timeout=HANG_GUARD_SECONDS)
     assert_no_traceback(proc)
-    assert "stopping early" in proc.stdout  # the all-reduced flag stopped both ranks
-    assert "median test loss over 21 samples" in proc.stdout  # equal shapes gathered all
+    assert "stopping early" in proc.stdout  # the all-reduced flag stopped every rank
+    assert "median test loss over 31 samples" in proc.stdout  # equal shapes gathered all
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--bug", "skip"], {}, "the planted bugs need 2 or more processes, not 1: torchrun "
+                            "--standalone --nproc-per-node 2 10_debugging.py --bug skip"),
+    (["--fix"], {"TORCH_FR_BUFFER_SIZE": "abc"},
+     "TORCH_FR_BUFFER_SIZE='abc': the Flight Recorder keeps that many collectives per rank; give "
+     "a whole number from 0 (off) to 2147483647, or unset it (torch's default: 2000)"),
+])
+def test_refused_before_any_work(args, env, message):
+    """One line, exit 2, before any process group exists. An unreadable TORCH_FR_BUFFER_SIZE
+    is checked by every step (plumbing/errors.run_main): torch itself aborts on it with no
+    message (SIGABRT) once a group is made, which 10 always does."""
+    proc = run_step("10_debugging.py", args, env_extra=env, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {message}"
 
 
 # ---------------------------------------------------------------- the diagnosis alone
-def state(rank, steps, last_seq, pending=None, absent=(), where="here"):
+def state(rank, steps, last_seq, pending=None, absent=(), where="here", detail=None):
     """A rank's published state, as 10_debugging.rank_state makes it, without the record."""
     last = {"seq": last_seq, "op": "all_reduce", "shapes": [[4]], "dtypes": ["Float"],
             "done": pending is None}
     return {"rank": rank, "steps": steps, "last": {"DDP's group": last}, "pending": pending,
-            "detail": None, "absent": list(absent), "where": where}
+            "detail": detail, "absent": list(absent), "where": where}
 
 
 def test_diagnosis_names_a_rank_in_no_collective():
     """DETAIL's monitored barrier names the rank that never came (same steps, same record)."""
-    step = load_step()
     states = {0: state(0, 3, 7, absent=[1], where="a.py:1 in f"), 1: state(1, 3, 7)}
-    line = step.diagnose(states, 2)
+    line = debug.diagnose(states, 2)
     assert line.startswith("rank 1 is behind") and "rank 0 waits in at a.py:1 in f" in line
 
 
 def test_diagnosis_without_detail_uses_the_flight_recorder_counts():
     """Without DETAIL, the waiting rank's record holds one collective more, not completed."""
-    step = load_step()
     waiting = {"seq": 8, "op": "all_reduce", "shapes": [[4]], "dtypes": ["Float"], "done": False}
     states = {0: state(0, 3, 8, pending=waiting, where="a.py:9 in g"), 1: state(1, 3, 7)}
-    line = step.diagnose(states, 2)
+    line = debug.diagnose(states, 2)
     assert line.startswith("rank 1 is behind: it missed collective #8 all_reduce of [4] Float")
     assert "which rank 0 waits in at a.py:9 in g" in line
 
 
 def test_diagnosis_names_a_rank_that_died():
-    step = load_step()
-    assert step.diagnose({0: state(0, 3, 7)}, 2).startswith("rank 1 died")
+    assert debug.diagnose({0: state(0, 3, 7)}, 2).startswith("rank 1 died")
 
 
 def test_diagnosis_names_the_collectives_only_the_rank_ahead_holds():
     """gloo marked DDP's timed-out all-reduce as completed (seen here): the counts still tell."""
-    step = load_step()
     states = {0: state(0, 5, 14, where="a.py:5 in h"), 1: state(1, 6, 16, where="a.py:7 in t")}
-    assert step.diagnose(states, 2) == (
+    assert debug.diagnose(states, 2) == (
         "rank 0 is behind (5 training steps, rank 1 took 6): it missed collective #15-16 "
         "all_reduce of [4] Float on DDP's group, which rank 1 waits in at a.py:7 in t; rank 0 "
         "is at a.py:5 in h")
 
 
-def test_a_bug_needs_two_processes():
-    """Checked before any process group exists: one line, exit 2."""
-    proc = run_step("10_debugging.py", ["--bug", "skip"], check=False, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: the planted bugs are sized for 2 processes, not 1: "
-                                   "torchrun --standalone --nproc-per-node 2 10_debugging.py "
-                                   "--bug skip")
+def test_diagnosis_at_4_ranks():
+    """The three bugs' states at 4 ranks, as the 2- and 3-rank runs above publish them (in
+    the order they arrive: any order, the line is the same)."""
+    skip = {**{r: state(r, 6, 16) for r in (3, 1, 2)}, 0: state(0, 5, 14)}
+    assert debug.diagnose(skip, 4).startswith("rank 0 is behind (5 training steps, rank 1 "
+                                              "took 6)")
+    uneven = {**{r: state(r, 4, 12) for r in (2, 3, 1)}, 0: state(0, 5, 14)}
+    assert debug.diagnose(uneven, 4).startswith("ranks 1, 2, 3 are behind (4 training steps, "
+                                                "rank 0 took 5): they missed collective #13-14")
+
+    def fingerprint(n):
+        return {"seq": 3, "op": "all_reduce", "shapes": [[n]], "dtypes": ["Float"],
+                "done": False}
+    shape = {r: state(r, 5, 14, detail=fingerprint(11 if r == 0 else 10)) for r in range(4)}
+    line = debug.diagnose(shape, 4)
+    assert line.startswith("collective #3 (all_reduce) got tensors of different shapes "
+                           "(rank 0 differs): rank 0 [11] Float")
+    assert "rank 3 [10] Float" in line
+
+
+# ---------------------------------------------------------------- which Flight Recorder
+def test_the_flight_recorder_read_is_the_one_of_the_backend_that_carries_ddp():
+    """gloo records into the buffer `_dump_fr_trace()` reads by default; nccl2 (what `nccl`
+    builds in torch 2.15) into the hook's buffer named "nccl2"; legacy ProcessGroupNCCL into
+    its own, which `_dump_nccl_trace()` reads (see debug.dump_for for the sources)."""
+    gloo, nccl2 = debug.dump_for("gloo"), debug.dump_for("nccl2")
+    assert gloo.func is debug._dump_fr_trace and "backend" not in gloo.keywords
+    assert nccl2.func is debug._dump_fr_trace and nccl2.keywords["backend"] == "nccl2"
+    assert not gloo.keywords["includeStackTraces"] and not nccl2.keywords["includeStackTraces"]
+    # A hooked backend's buffer is its own: on this CPU machine nothing ever recorded into it.
+    assert pickle.loads(nccl2()).get("entries", []) == []
+    try:
+        legacy = debug.dump_for("nccl")
+    except ImportError:
+        pytest.skip("this torch is a CPU-only build: no legacy NCCL to read")
+    assert legacy.func.__name__ == "_dump_nccl_trace"
+
+
+def entry(pg_id, name=("", ""), seq=1, retired=True):
+    return {"pg_id": pg_id, "process_group": name, "collective_seq_id": seq,
+            "profiling_name": "x:all_reduce", "input_sizes": [[2]], "input_dtypes": ["Float"],
+            "retired": retired}
+
+
+def test_groups_are_told_apart_by_name_or_creation_order():
+    """gloo (measured in torch 2.15): DDP's group ('0', 'default_pg') is pg 0, the DETAIL-wrapped
+    `checked` group pg 1 with entries named ('', ''), DETAIL's helper pg 2. A record whose
+    default group is not pg 0 (a backend that numbers its groups its own way) is read by name."""
+    gloo = {"entries": [entry(0, ("0", "default_pg")), entry(2), entry(1)]}
+    assert debug.group_names(gloo) == {0: "DDP's group", 1: "checked group"}
+    other = {"entries": [entry(7, ("1", "undefined")), entry(5, ("0", "default_pg"), seq=3,
+                                                             retired=False)]}
+    assert debug.group_names(other) == {5: "DDP's group", 7: "checked group"}
+    assert debug.pending_collective(other)["seq"] == 3
+
+
+def test_waiting_for_the_gpu_gives_up_after_the_timeout():
+    """The NCCL-only wait (a CUDA event's query()), with a stand-in event that never fires."""
+    class Never:
+        def query(self):
+            return False
+
+    class Done:
+        def query(self):
+            return True
+
+    debug.wait_until_done(Done(), 0.1)
+    with pytest.raises(RuntimeError, match="did not finish within 0.2 s"):
+        debug.wait_until_done(Never(), 0.2)

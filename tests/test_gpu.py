@@ -315,3 +315,46 @@ def test_a_stalled_peer_under_nccl_ends_the_run_as_docs_reliability_says(backend
     assert "exitcode  : -6" in proc.stderr, proc.stderr[-3000:]  # the watchdog's SIGABRT
     # --timeout, the watchdog's 1 s poll, torchrun's 30 s grace for the others, start-up
     assert seconds < 20 + 120, seconds
+
+# ---------------------------------------------------------------- step 10 under NCCL
+# Each bug ends in the same diagnosis line as on gloo (tests/test_debugging.py), on both NCCL
+# backends of torch 2.15: nccl2 (what `nccl` builds) and the legacy one (TORCH_DIST_USE_NCCL2=0).
+NCCL_BACKENDS = [pytest.param({}, "nccl2", id="nccl2"),
+                 pytest.param({"TORCH_DIST_USE_NCCL2": "0"}, "nccl", id="legacy")]
+DIAGNOSES = {"skip": "rank 0 is behind (5 training steps, rank 1 took 6)",
+             "uneven": "rank 1 is behind (4 training steps, rank 0 took 5)",
+             "shape": "got tensors of different shapes"}
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("env, backend", NCCL_BACKENDS)
+@pytest.mark.parametrize("bug", ["skip", "shape", "uneven"])
+def test_debugging_diagnoses_each_bug_under_nccl(bug, env, backend, tmp_path):
+    """No watchdog abort, no silent hang: the run ends non-zero within the timeout and a few
+    seconds, its last line the diagnosis, and the Flight Recorder read is NCCL's (DDP's
+    all-reduces, named "<backend>:all_reduce", are in it and in the files for fr_trace)."""
+    import pickle  # the step's own files, written in this test
+
+    proc = run_step("10_debugging.py", ["--bug", bug, "--device", "cuda", "--timeout", 6,
+                                        "--out-dir", tmp_path], nproc=2, env_extra=env,
+                    check=False, timeout=180, gpus=True)
+    assert proc.returncode != 0
+    assert_no_traceback(proc)
+    assert f"backend={backend} " in proc.stdout, proc.stdout[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("diagnosis: ") and DIAGNOSES[bug] in last, proc.stdout[-3000:]
+    assert "DDP's group #" in proc.stdout and "last collectives: none" not in proc.stdout
+    for rank in (0, 1):
+        record = pickle.loads((tmp_path / "flight_recorder" / f"rank{rank}").read_bytes())
+        assert any(e["profiling_name"] == f"{backend}:all_reduce"
+                   for e in record["entries"]), record
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("env, backend", NCCL_BACKENDS)
+def test_debugging_fix_exits_0_under_nccl(env, backend, tmp_path):
+    proc = run_step("10_debugging.py", ["--fix", "--device", "cuda", "--out-dir", tmp_path],
+                    nproc=2, env_extra=env, timeout=180, gpus=True)
+    assert_no_traceback(proc)
+    assert f"backend={backend} " in proc.stdout
+    assert "median test loss over 21 samples" in proc.stdout
