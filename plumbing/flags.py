@@ -161,6 +161,18 @@ def writable_dir(text: str) -> Path:
     return path
 
 
+def writable_file(text: str) -> Path:
+    """A file we can write at the end (a benchmark's table): its folder is checked now, so that
+    half an hour of measurements is not lost to a typo in the path."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; name the file to write")
+    writable_dir(str(path.parent))
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    return path
+
+
 def existing_path(text: str) -> Path:
     path = Path(text)
     if not path.exists():

@@ -18,7 +18,7 @@ import torch
 
 import common
 from plumbing import checkpoint, data
-from conftest import REPO, assert_no_traceback, run_step, saved_checkpoint, write_idx
+from conftest import REPO, assert_no_traceback, launch, run_step, saved_checkpoint, write_idx
 
 TINY = ["--data", "synthetic", "--train-samples", 96, "--test-samples", 50, "--batch-size", 48,
         "--epochs", 1]
@@ -454,6 +454,39 @@ def test_09_checks_the_values_of_its_folders(dcp_checkpoints, tmp_path, command,
     assert proc.returncode == 2
     expect_one_error_line(proc, f"checkpoint {dcp_checkpoints / name} is damaged: {expected}")
     assert not (tmp_path / "checkpoint.pt").exists() and not (tmp_path / "checkpoint").exists()
+
+
+# ---------------------------------------------------------------- the benchmark drivers
+@pytest.mark.parametrize("driver, arguments, expected", [
+    ("run.py", ["--rows", "scaling,speed"], "argument --rows: no row 'speed'; the rows are"),
+    ("run.py", ["--repeats", "0"], "--repeats must be from 1 to 1000"),
+    ("run.py", ["--out", "/proc/no/results.md"], "argument --out: cannot create /proc/no"),
+    ("lr_scaling.py", ["--per-rank-batch", "1024"], "it must be at least 4 x --per-rank-batch"),
+    ("loader.py", ["--batch-size", "0"], "--batch-size must be from 1 to 1000000"),
+    ("meta_init.py", ["--init", "meta"], "start it with torchrun"),
+])
+def test_a_bench_driver_refuses_a_bad_flag_in_one_line(driver, arguments, expected,
+                                                      monkeypatch, capsys):
+    """Issue 39, 13: the drivers used plain argparse types; bad values ended in tracebacks,
+    some after half an hour of measurements (an --out that cannot be written). In this process,
+    as the steps' flags above."""
+    monkeypatch.setattr(sys, "argv", [driver, *arguments])
+    monkeypatch.setattr(sys, "path", [str(REPO / "bench"), *sys.path])  # as python bench/X
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "bench" / driver), run_name="__main__")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: bench/{driver}: "), err
+    assert expected in err, err
+
+
+def test_the_loader_benchmark_runs(tmp_path):
+    """bench/loader.py, which docs/benchmarks.md quotes, crashed at once (issue 39, 13)."""
+    proc = launch([sys.executable, str(REPO / "bench" / "loader.py"), "--samples", "300",
+                   "--batch-size", "100", "--repeats", "1"])
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 + 4 and "HDF5 stream, 2 workers" in rows[-1], proc.stdout
 
 
 def write_mnist(root, images, labels, test_images=None, test_labels=None):
