@@ -47,7 +47,7 @@ def main():
                      f"not one batch")
 
     step06 = SimpleNamespace(**runpy.run_path(str(REPO / "06_streaming_h5.py"), run_name="bench"))
-    run = common.Run(torch.device("cpu"))  # one process on the CPU, as steps 00-05 load in each rank
+    run = common.Run(torch.device("cpu"))  # one process on the CPU: what each rank loads
     memory = data.Digits(*synthetic_digits(opts.samples, seed=1))
     with tempfile.TemporaryDirectory() as work:
         path = Path(work) / "digits.h5"

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import REPO, interleaved, machine  # noqa: E402
-from plumbing.flags import SAMPLES_LIMIT, Parser, integer, writable_file  # noqa: E402 (run.py: the root)
+from plumbing.flags import SAMPLES_LIMIT, Parser, integer, writable_file  # noqa: E402
 
 
 def configs(opts) -> list[tuple[str, int, list]]:

@@ -86,21 +86,20 @@ def check_launcher_variables(parser: Parser) -> None:
             refuse(parser, f"{name}={text!r} is not a whole number")
     world = numbers.get("WORLD_SIZE", 1)
     local_world = numbers.get("LOCAL_WORLD_SIZE", 1)
-    limits = [("WORLD_SIZE", 1, None), ("RANK", 0, world - 1),
-              ("LOCAL_WORLD_SIZE", 1, world), ("LOCAL_RANK", 0, local_world - 1),
-              ("GROUP_RANK", 0, world - 1),
-              ("MASTER_PORT", 0 if world == 1 else 1, 65535)]  # 0: any free port, alone only
-    for name, lowest, highest in limits:
+    of_world, of_node = f" (WORLD_SIZE={world})", f" (LOCAL_WORLD_SIZE={local_world})"
+    limits = [  # (name, lowest, highest or None, the variable the range comes from)
+        ("WORLD_SIZE", 1, None, ""), ("RANK", 0, world - 1, of_world),
+        ("LOCAL_WORLD_SIZE", 1, world, of_world), ("LOCAL_RANK", 0, local_world - 1, of_node),
+        ("GROUP_RANK", 0, world - 1, of_world),  # the node's rank: fewer nodes than ranks
+        ("MASTER_PORT", 0, 65535, "") if world == 1  # 0: any free port, for a world of one
+        else ("MASTER_PORT", 1, 65535, of_world)]
+    for name, lowest, highest, source in limits:
         value = numbers.get(name)
         if value is None or (value >= lowest and (highest is None or value <= highest)):
             continue
         allowed = (f"at least {lowest}" if highest is None else f"{lowest}" if lowest == highest
                    else f"from {lowest} to {highest}")
-        context = {"RANK": f" (WORLD_SIZE={world})", "GROUP_RANK": f" (WORLD_SIZE={world})",
-                   "LOCAL_RANK": f" (LOCAL_WORLD_SIZE={local_world})",
-                   "LOCAL_WORLD_SIZE": f" (WORLD_SIZE={world})",
-                   "MASTER_PORT": f" (WORLD_SIZE={world})" if world > 1 else ""}.get(name, "")
-        refuse(parser, f"{name}={value} is out of range: it must be {allowed}{context}")
+        refuse(parser, f"{name}={value} is out of range: it must be {allowed}{source}")
 
 
 def refuse(parser: Parser, problem: str) -> None:
@@ -190,19 +189,19 @@ def parser(doc: str, script: str) -> Parser:
     data.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto",
                       help="auto: MNIST if present or downloadable, else built-in synthetic digits")
     data.add_argument("--data-dir", type=Path, default=Path("data"))
-    data.add_argument("--train-samples", type=integer(1, SAMPLES_LIMIT, "--train-samples"), metavar="N",
-                      help="use only the first N training samples")
-    data.add_argument("--test-samples", type=integer(1, SAMPLES_LIMIT, "--test-samples"), metavar="N",
-                      help="use only the first N test samples")
+    data.add_argument("--train-samples", type=integer(1, SAMPLES_LIMIT, "--train-samples"),
+                      metavar="N", help="use only the first N training samples")
+    data.add_argument("--test-samples", type=integer(1, SAMPLES_LIMIT, "--test-samples"),
+                      metavar="N", help="use only the first N test samples")
     data.add_argument("--num-workers", type=integer(0, 64, "--num-workers"), metavar="N",
                       help="DataLoader worker processes per rank (default: 0 on CPU, where "
                            "workers compete with training for cores; 2 on GPU)")
     train = p.add_argument_group("training")
     train.add_argument("--epochs", type=integer(1, EPOCHS_LIMIT, "--epochs"), default=2)
     batch = train.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=integer(1, SAMPLES_LIMIT, "--batch-size"), default=256,
-                       help="GLOBAL batch: samples per optimizer step, summed over all ranks; "
-                            "fixed as ranks are added (strong scaling)")
+    batch.add_argument("--batch-size", type=integer(1, SAMPLES_LIMIT, "--batch-size"),
+                       default=256, help="GLOBAL batch: samples per optimizer step, summed over "
+                       "all ranks; fixed as ranks are added (strong scaling)")
     batch.add_argument("--batch-per-rank", type=integer(1, SAMPLES_LIMIT, "--batch-per-rank"),
                        metavar="B", help="instead: B samples per rank per step, so the global "
                        "batch grows with the ranks (weak scaling): B x world size")
@@ -216,8 +215,8 @@ def parser(doc: str, script: str) -> Parser:
                        help="with --batch-per-rank: multiply --lr by the world size (linear) or "
                             "its square root (sqrt), reached after a linear warm-up from --lr "
                             "(default none)")
-    train.add_argument("--warmup-steps", type=integer(0, STEPS_LIMIT, "--warmup-steps"), metavar="N",
-                       help=f"optimizer steps of the warm-up to the scaled --lr (default "
+    train.add_argument("--warmup-steps", type=integer(0, STEPS_LIMIT, "--warmup-steps"),
+                       metavar="N", help=f"optimizer steps of the warm-up to the scaled --lr (default "
                             f"{WARMUP_STEPS} with --lr-scaling linear or sqrt)")
     train.add_argument("--seed", type=integer(0, SEED_LIMIT - 1, "--seed"), default=0)
     train.add_argument("--deterministic", action="store_true",
