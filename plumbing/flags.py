@@ -216,8 +216,8 @@ def parser(doc: str, script: str) -> Parser:
                             "its square root (sqrt), reached after a linear warm-up from --lr "
                             "(default none)")
     train.add_argument("--warmup-steps", type=integer(0, STEPS_LIMIT, "--warmup-steps"),
-                       metavar="N", help=f"optimizer steps of the warm-up to the scaled --lr (default "
-                            f"{WARMUP_STEPS} with --lr-scaling linear or sqrt)")
+                       metavar="N", help=f"optimizer steps of the warm-up to the scaled --lr "
+                       f"(default {WARMUP_STEPS} with --lr-scaling linear or sqrt)")
     train.add_argument("--seed", type=integer(0, SEED_LIMIT - 1, "--seed"), default=0)
     train.add_argument("--deterministic", action="store_true",
                        help="bit-for-bit repeats on GPUs too: deterministic kernels, no cuDNN "
