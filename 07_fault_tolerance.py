@@ -173,7 +173,8 @@ def main():
         args.resume = fault_tolerance.own_checkpoint(latest, settings, run)
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
-        saved = checkpoint.restore(args.resume, run, raw_model, optimizer, scheduler)
+        saved = checkpoint.restore(args.resume, run, raw_model, optimizer, scheduler,
+                                   mid_epoch=True)  # 07 continues mid-epoch: see below
         fault_tolerance.check_same_sample_order(saved, settings, args.resume)  # mid-epoch
         start_epoch, position = saved["epoch"], saved.get("position") or EPOCH_START
         if "rng" in saved and len(saved["rng"]) == run.world_size and position["step"]:

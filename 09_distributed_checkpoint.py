@@ -34,7 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import Subset
 
 import common
-from plumbing import data, flags, metrics, step07_fault_tolerance as fault_tolerance
+from plumbing import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
 from plumbing import step08_fsdp2 as sharded, step09_dcp_checkpoint as dcp_checkpoint
 from plumbing.model import build_model
 
@@ -227,6 +227,7 @@ def main():
         with dcp_checkpoint.one_line_errors(folder):
             dcp.load(state, storage_reader=dcp_checkpoint.SafeReader(folder),
                      planner=dcp_checkpoint.SafePlanner())
+        checkpoint.check_values(state["extra"], folder)  # an edited epoch or position: one line
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         scheduler.load_state_dict(state["extra"]["scheduler"])

@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 
+from plumbing.flags import SAMPLES_LIMIT  # the steps' own bound on --train-samples
+
 REPO = Path(__file__).resolve().parent
+NO_SUMMARY = {"01_torch_dist_allreduce.py", "10_debugging.py"}  # side trips that train nothing
 # file, runs on 2 processes?, the idea it adds, what to read next, extra arguments
 STEPS = [
     ("00_single_gpu.py", False, "baseline: train and evaluate on one device",
@@ -56,6 +59,11 @@ STEPS = [
 ]
 
 
+def absolute(text: str) -> Path:
+    """A path given relative to where the tour started, as the steps (run in REPO) must get it."""
+    return Path(text).resolve()
+
+
 def step_id(script: str) -> str:
     """The step's id: "02b" for 02b_overlap_by_hand.py."""
     return script.split("_")[0]
@@ -76,12 +84,16 @@ def main():
                         help="training samples per step (default 2048)")
     parser.add_argument("--test-samples", type=int, default=1000,
                         help="test samples per step (default 1000)")
-    parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "tour")
+    # Absolute paths: the steps run in the repository's folder, wherever the tour started.
+    parser.add_argument("--out-dir", type=absolute, default=REPO / "runs" / "tour")
     parser.add_argument("--data", default="auto", choices=["auto", "mnist", "synthetic"])
-    parser.add_argument("--data-dir", type=Path, default=REPO / "data")
+    parser.add_argument("--data-dir", type=absolute, default=REPO / "data")
     args = parser.parse_args()
-    if args.samples < 256:
-        parser.error("--samples must be at least 256 (a few steps of 2 ranks x 64)")
+    if not 256 <= args.samples <= SAMPLES_LIMIT:
+        parser.error(f"--samples must be from 256 (a few steps of 2 ranks x 64) to "
+                     f"{SAMPLES_LIMIT}")
+    if not 1 <= args.test_samples <= SAMPLES_LIMIT:
+        parser.error(f"--test-samples must be from 1 to {SAMPLES_LIMIT}")
     # Two processes per distributed step: two CPU processes, or two GPUs (one if that is all).
     processes = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
     shared = ["--data", args.data, "--data-dir", str(args.data_dir), "--epochs", "1",
@@ -102,6 +114,8 @@ def main():
         if code:
             sys.exit(f"tour: {script} failed with exit code {code}; its output is above")
         summary = out / "summary.json"
+        if script not in NO_SUMMARY and not summary.is_file():
+            sys.exit(f"tour: {script} ended without writing {summary}; its output is above")
         rows.append((script, idea, next_read, json.loads(summary.read_text())
                      if summary.exists() else None))
     print_table(rows, time.monotonic() - started, processes)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import REPO, interleaved, machine  # noqa: E402
+from plumbing.flags import SAMPLES_LIMIT, Parser, integer, writable_file  # noqa: E402
 
 
 def configs(opts) -> list[tuple[str, int, list]]:
@@ -100,15 +101,23 @@ def report(results: dict, opts) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3, help="seeds 0 .. repeats-1")
-    parser.add_argument("--samples", type=int, default=2048)
-    parser.add_argument("--test-samples", type=int, default=1000)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--per-rank-batch", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results-lr-scaling.md")
+    # One-line errors (plumbing/flags.py), checked before the first of many runs.
+    parser = Parser(prog="bench/lr_scaling.py", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=integer(1, 1000, "--repeats"), default=3,
+                        help="seeds 0 .. repeats-1")
+    parser.add_argument("--samples", type=integer(1, SAMPLES_LIMIT, "--samples"), default=2048)
+    parser.add_argument("--test-samples", type=integer(1, SAMPLES_LIMIT, "--test-samples"),
+                        default=1000)
+    parser.add_argument("--epochs", type=integer(1, 100, "--epochs"), default=3)
+    parser.add_argument("--per-rank-batch", type=integer(1, 4096, "--per-rank-batch"),
+                        default=32)
+    parser.add_argument("--out", type=writable_file,
+                        default=REPO / "bench" / "results-lr-scaling.md")
     opts = parser.parse_args()
+    if opts.samples < 4 * opts.per_rank_batch:  # the largest configuration: 4 ranks x B
+        parser.error(f"--samples {opts.samples} does not fill one step of 4 ranks: it must be "
+                     f"at least 4 x --per-rank-batch = {4 * opts.per_rank_batch}")
     chosen = configs(opts)
     results = {name: [] for name, _, _ in chosen}
     with tempfile.TemporaryDirectory(prefix="ddp-bench-lr-") as work:

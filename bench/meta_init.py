@@ -12,6 +12,7 @@ rank briefly holds the largest tensor; rank 0 holds the whole model, on its CPU.
 """
 
 import argparse
+import os
 import resource
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from plumbing.flags import Parser, integer  # noqa: E402
 from plumbing.model import build_model  # noqa: E402
 
 
@@ -45,12 +47,14 @@ def peak_mib() -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="bench/meta_init.py", description=__doc__,  # one-line errors
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--init", choices=["meta", "whole"], required=True)
     parser.add_argument("--model", choices=["layers", "net"], default="layers")
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--width", type=integer(1, 64, "--width"), default=64)
     opts = parser.parse_args()
+    if "RANK" not in os.environ:
+        parser.error("start it with torchrun (see the top): it measures each rank of a group")
     dist.init_process_group("gloo")
     rank, before = dist.get_rank(), peak_mib()
     if opts.init == "meta":

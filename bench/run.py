@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from plumbing.flags import SAMPLES_LIMIT, Parser, integer, writable_file  # noqa: E402
 
 
 @dataclass
@@ -306,19 +308,36 @@ def interleaved(configs: list, repeats: int):
             yield repeat, config
 
 
+ROWS = ("scaling", "overhead", "minimal", "exposed", "wrapper", "compile", "streaming",
+        "checkpoints", "restart", "fsdp2", "dcp", "memory", "allreduce")
+
+
+def row_list(text: str) -> str:
+    """--rows: names from ROWS, separated by commas."""
+    unknown = [row for row in text.split(",") if row not in ROWS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no row {', '.join(map(repr, unknown))}; the rows are "
+                                         f"{','.join(ROWS)}")
+    return text
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="scaling,overhead,minimal,exposed,wrapper,compile,"
-                                          "streaming,checkpoints,restart,fsdp2,dcp,memory,"
-                                          "allreduce")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=3000)
-    parser.add_argument("--per-rank-batch", type=int, default=64)
-    parser.add_argument("--checkpoint-every", type=int, default=10)
+    # One-line errors (plumbing/flags.py), checked before the first of many runs.
+    parser = Parser(prog="bench/run.py", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=row_list, default=",".join(ROWS))
+    parser.add_argument("--repeats", type=integer(1, 1000, "--repeats"), default=5)
+    parser.add_argument("--samples", type=integer(1, SAMPLES_LIMIT, "--samples"), default=3000)
+    parser.add_argument("--per-rank-batch", type=integer(1, 4096, "--per-rank-batch"),
+                        default=64)
+    parser.add_argument("--checkpoint-every", type=integer(1, 10_000, "--checkpoint-every"),
+                        default=10)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results-cpu.md")
+    parser.add_argument("--out", type=writable_file, default=REPO / "bench" / "results-cpu.md")
     opts = parser.parse_args()
+    if opts.samples < 4 * opts.per_rank_batch:  # samples/s are timed from a run's second step
+        parser.error(f"--samples {opts.samples} is less than 2 steps of the 2-rank batch: it "
+                     f"must be at least 4 x --per-rank-batch = {4 * opts.per_rank_batch}")
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as work:
         opts.work = work
         chosen = configs(opts)

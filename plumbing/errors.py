@@ -81,12 +81,21 @@ def failed_peers() -> list[str]:
 
 
 def launcher_rank() -> int:
-    """This process's rank as its launcher set it (0 under plain python)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    """This process's rank as its launcher set it (0 under plain python, or when it is not a
+    number: flags.check_launcher_variables reports that, through report(), which calls this)."""
+    return _launcher_number(("RANK", "SLURM_PROCID"), 0)
 
 
 def launcher_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1")))
+    return _launcher_number(("WORLD_SIZE", "SLURM_STEP_NUM_TASKS"), 1)
+
+
+def _launcher_number(names: tuple, default: int) -> int:
+    text = next((os.environ[name] for name in names if name in os.environ), str(default))
+    try:
+        return int(text)
+    except ValueError:
+        return default
 
 
 def report(message: str) -> None:

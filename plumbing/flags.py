@@ -15,6 +15,13 @@ from pathlib import Path
 from .errors import report
 
 SEED_LIMIT = 2**32  # numpy's legacy seeding, the narrowest of the RNGs we seed, takes 0 .. 2**32-1
+# The most samples --train-samples / --test-samples may ask for. The synthetic digits are drawn
+# in memory (about 1.6 KB per sample at the peak, and some 4 minutes per million on one core);
+# MNIST has 60,000 and 10,000, and 06's file is written from those same sets.
+SAMPLES_LIMIT = 1_000_000
+# Counts no run needs more of: a typo (an extra 000) is refused, not run for a year, and a
+# number this size cannot overflow a float (a --warmup-steps of 10**400 did, in the schedule).
+EPOCHS_LIMIT, STEPS_LIMIT = 100_000, 1_000_000_000
 # --warmup-steps when --lr-scaling is on: twice the span SGD's momentum averages over (0.9: about
 # 10 steps), so the first updates, the largest, are not taken at the full scaled rate; short
 # against an epoch (117 steps of MNIST at a global batch of 512), so that the scaled rate does
@@ -35,6 +42,7 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """argparse's, then the checks that involve two flags (the learning-rate scaling)."""
         args = super().parse_args(args, namespace)
+        check_launcher_variables(self)
         if getattr(args, "lr_scaling", None) is not None:
             check_lr_scaling(self, args)
         return args
@@ -54,6 +62,50 @@ def check_lr_scaling(parser: Parser, args) -> None:
         args.warmup_steps = WARMUP_STEPS if args.lr_scaling != "none" else 0
     if args.batch_per_rank is not None:
         args.batch_size = None  # the global batch is B x the world size: see plan_batches
+
+
+# The variables a launcher (torchrun, or 05's srun identity) sets for every process: a step reads
+# them in setup() as whole numbers. Plain python sets none: a world of one.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "MASTER_PORT")
+
+
+def check_launcher_variables(parser: Parser) -> None:
+    """The launcher's variables are part of the command line: a RANK of "abc" (a traceback in
+    int()), a RANK not below WORLD_SIZE or a MASTER_PORT above 65535 (a group that never forms)
+    is one line and exit 2 here, before any work. Usually left over in a shell or a job script."""
+    env = os.environ
+    numbers = {}
+    for name in LAUNCHER_VARIABLES:
+        text = env.get(name)
+        if text is None:
+            continue
+        try:
+            numbers[name] = int(text)
+        except ValueError:
+            refuse(parser, f"{name}={text!r} is not a whole number")
+    world = numbers.get("WORLD_SIZE", 1)
+    local_world = numbers.get("LOCAL_WORLD_SIZE", 1)
+    of_world, of_node = f" (WORLD_SIZE={world})", f" (LOCAL_WORLD_SIZE={local_world})"
+    limits = [  # (name, lowest, highest or None, the variable the range comes from)
+        ("WORLD_SIZE", 1, None, ""), ("RANK", 0, world - 1, of_world),
+        ("LOCAL_WORLD_SIZE", 1, world, of_world), ("LOCAL_RANK", 0, local_world - 1, of_node),
+        ("GROUP_RANK", 0, world - 1, of_world),  # the node's rank: fewer nodes than ranks
+        ("MASTER_PORT", 0, 65535, "") if world == 1  # 0: any free port, for a world of one
+        else ("MASTER_PORT", 1, 65535, of_world)]
+    for name, lowest, highest, source in limits:
+        value = numbers.get(name)
+        if value is None or (value >= lowest and (highest is None or value <= highest)):
+            continue
+        allowed = (f"at least {lowest}" if highest is None else f"{lowest}" if lowest == highest
+                   else f"from {lowest} to {highest}")
+        refuse(parser, f"{name}={value} is out of range: it must be {allowed}{source}")
+
+
+def refuse(parser: Parser, problem: str) -> None:
+    report(f"{parser.prog}: the launcher variable {problem} (torchrun sets it for each process; "
+           f"unset it to run with plain python)")
+    raise SystemExit(2)
 
 
 # ---------------------------------------------------------------- checked types
@@ -108,6 +160,18 @@ def writable_dir(text: str) -> Path:
     return path
 
 
+def writable_file(text: str) -> Path:
+    """A file we can write at the end (a benchmark's table): its folder is checked now, so that
+    half an hour of measurements is not lost to a typo in the path."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; name the file to write")
+    writable_dir(str(path.parent))
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    return path
+
+
 def existing_path(text: str) -> Path:
     path = Path(text)
     if not path.exists():
@@ -125,23 +189,23 @@ def parser(doc: str, script: str) -> Parser:
     data.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto",
                       help="auto: MNIST if present or downloadable, else built-in synthetic digits")
     data.add_argument("--data-dir", type=Path, default=Path("data"))
-    data.add_argument("--train-samples", type=integer(1, what="--train-samples"), metavar="N",
-                      help="use only the first N training samples")
-    data.add_argument("--test-samples", type=integer(1, what="--test-samples"), metavar="N",
-                      help="use only the first N test samples")
+    data.add_argument("--train-samples", type=integer(1, SAMPLES_LIMIT, "--train-samples"),
+                      metavar="N", help="use only the first N training samples")
+    data.add_argument("--test-samples", type=integer(1, SAMPLES_LIMIT, "--test-samples"),
+                      metavar="N", help="use only the first N test samples")
     data.add_argument("--num-workers", type=integer(0, 64, "--num-workers"), metavar="N",
                       help="DataLoader worker processes per rank (default 0: the data is in "
                            "memory and one indexing op fetches a batch; see data.make_loader)")
     train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=integer(1, what="--epochs"), default=2)
+    train.add_argument("--epochs", type=integer(1, EPOCHS_LIMIT, "--epochs"), default=2)
     batch = train.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=integer(1, what="--batch-size"), default=256,
-                       help="GLOBAL batch: samples per optimizer step, summed over all ranks; "
-                            "fixed as ranks are added (strong scaling)")
-    batch.add_argument("--batch-per-rank", type=integer(1, what="--batch-per-rank"),
+    batch.add_argument("--batch-size", type=integer(1, SAMPLES_LIMIT, "--batch-size"),
+                       default=256, help="GLOBAL batch: samples per optimizer step, summed over "
+                       "all ranks; fixed as ranks are added (strong scaling)")
+    batch.add_argument("--batch-per-rank", type=integer(1, SAMPLES_LIMIT, "--batch-per-rank"),
                        metavar="B", help="instead: B samples per rank per step, so the global "
                        "batch grows with the ranks (weak scaling): B x world size")
-    train.add_argument("--max-device-batch", type=integer(1, what="--max-device-batch"),
+    train.add_argument("--max-device-batch", type=integer(1, SAMPLES_LIMIT, "--max-device-batch"),
                        metavar="M", help="most samples one device takes at once; larger "
                        "per-rank batches are split into micro-batches whose gradients accumulate")
     train.add_argument("--lr", type=positive_float("--lr", highest=10), default=0.05,
@@ -151,9 +215,9 @@ def parser(doc: str, script: str) -> Parser:
                        help="with --batch-per-rank: multiply --lr by the world size (linear) or "
                             "its square root (sqrt), reached after a linear warm-up from --lr "
                             "(default none)")
-    train.add_argument("--warmup-steps", type=integer(0, what="--warmup-steps"), metavar="N",
-                       help=f"optimizer steps of the warm-up to the scaled --lr (default "
-                            f"{WARMUP_STEPS} with --lr-scaling linear or sqrt)")
+    train.add_argument("--warmup-steps", type=integer(0, STEPS_LIMIT, "--warmup-steps"),
+                       metavar="N", help=f"optimizer steps of the warm-up to the scaled --lr "
+                       f"(default {WARMUP_STEPS} with --lr-scaling linear or sqrt)")
     train.add_argument("--seed", type=integer(0, SEED_LIMIT - 1, "--seed"), default=0)
     train.add_argument("--deterministic", action="store_true",
                        help="bit-for-bit repeats on GPUs too: deterministic kernels, no cuDNN "

@@ -200,10 +200,10 @@ def rng_state(folder: Path, run) -> dict | None:
     except Exception as err:  # noqa: BLE001 -- not plain data, empty, truncated, ...
         raise UserError(f"{path} is damaged or is not a random state; not loading it "
                         f"({why(err)})") from None
-    if not (isinstance(state, dict) and torch.is_tensor(state.get("cpu"))
-            and state["cpu"].dtype == torch.uint8):
-        raise UserError(f"{path} is damaged or is not a random state; not loading it (a "
-                        f"{type(state).__name__} without a CPU random state)")
+    problem = checkpoint.rng_problem(state)  # 07's check: a state torch can set
+    if problem:
+        raise UserError(f"{path} is damaged or is not a random state; not loading it "
+                        f"({problem})")
     return state
 
 
@@ -385,11 +385,14 @@ def export(path: Path | None, out: Path, args) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to ... a single process": it is
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         load(state, folder)
+    checkpoint.check_values(state["extra"], folder)  # the epoch, position and schedule agree
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     scheduler.steps_per_epoch = state["extra"]["scheduler"]["steps_per_epoch"]  # no conversion
     scheduler.load_state_dict(state["extra"]["scheduler"])
-    checkpoint.save(out, model, optimizer, scheduler, state["extra"]["epoch"])
+    position = state["extra"]["position"]  # kept: 00-06 refuse to continue mid-epoch
+    checkpoint.save(out, model, optimizer, scheduler, state["extra"]["epoch"],
+                    position=position if position["step"] else None)
     print(f"wrote {out}: the model, optimizer and scheduler after epoch "
           f"{state['extra']['epoch']} (step {state['extra']['position']['step']} of the next)",
           flush=True)

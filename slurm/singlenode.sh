@@ -46,6 +46,22 @@
 set -euo pipefail
 : "${SLURM_JOB_ID:?submit this script with sbatch, see Usage at the top}"
 
+# Numbers you may set when you submit (NPROC_PER_NODE=...): checked first, so that a bad one is
+# one line naming it, not bash's own "division by 0" or "unbound variable" further down.
+check_count() {  # NAME VALUE LOWEST: a whole number, at least LOWEST
+    if ! [[ $2 =~ ^(0|[1-9][0-9]{0,5})$ ]] || (($2 < $3)); then
+        echo "error: $1=$2 is not allowed: it must be a whole number" \
+            "(digits, no leading 0) of at least $3" >&2
+        exit 2
+    fi
+}
+if [[ -n "${NPROC_PER_NODE:-}" ]]; then
+    check_count NPROC_PER_NODE "$NPROC_PER_NODE" 1
+fi
+if [[ -n "${MAX_REQUEUES:-}" ]]; then
+    check_count MAX_REQUEUES "$MAX_REQUEUES" 0  # (read in the trap, at the worst moment)
+fi
+
 # --- Software. Load your cluster's modules first, e.g.:
 # module load python/3.11 cuda
 #

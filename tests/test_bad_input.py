@@ -11,13 +11,14 @@ import os
 import re
 import runpy
 import sys
+import uuid
 
 import pytest
 import torch
 
 import common
 from plumbing import checkpoint, data
-from conftest import REPO, assert_no_traceback, run_step, saved_checkpoint, write_idx
+from conftest import REPO, assert_no_traceback, launch, run_step, saved_checkpoint, write_idx
 
 TINY = ["--data", "synthetic", "--train-samples", 96, "--test-samples", 50, "--batch-size", 48,
         "--epochs", 1]
@@ -120,16 +121,16 @@ STEPS = {"00": "00_single_gpu.py", "01": "01_torch_dist_allreduce.py", "02": "02
 BAD_FLAGS = [  # (step, arguments, what the one line must say)
     *[(step, ["--epochs", value], "--epochs") for step in ("00", "03") for value in ("0", "-1")],
     ("00", ["--epochs", "1.5"], "not a whole number"),
-    ("02", ["--batch-size", "0"], "--batch-size must be at least 1"),
-    ("00", ["--batch-size", "-64"], "--batch-size must be at least 1"),
-    ("00", ["--max-device-batch", "0"], "--max-device-batch must be at least 1"),
+    ("02", ["--batch-size", "0"], "--batch-size must be from 1 to 1000000"),
+    ("00", ["--batch-size", "-64"], "--batch-size must be from 1 to 1000000"),
+    ("00", ["--max-device-batch", "0"], "--max-device-batch must be from 1 to 1000000"),
     *[("00", [f"--lr={value}"], "--lr must be a finite number above 0")
       for value in ("0", "-0.1", "nan", "inf", "-inf")],
     ("03", ["--lr", "fast"], "not a number"),
     ("00", ["--seed", "-1"], "--seed must be from 0 to 4294967295"),
     ("05", ["--seed", str(2**32)], "--seed must be from 0 to 4294967295"),
-    ("00", ["--train-samples", "0"], "--train-samples must be at least 1"),
-    ("00", ["--test-samples", "-3"], "--test-samples must be at least 1"),
+    ("00", ["--train-samples", "0"], "--train-samples must be from 1 to 1000000"),
+    ("00", ["--test-samples", "-3"], "--test-samples must be from 1 to 1000000"),
     ("00", ["--num-workers", "-1"], "--num-workers must be from 0 to 64"),
     ("03", ["--num-workers", "1000"], "--num-workers must be from 0 to 64"),
     *[("03", ["--timeout", value], "--timeout must be a finite number above 0")
@@ -149,7 +150,7 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("09", ["import"], "invalid choice: 'import'"),
     ("01", ["--max-mb", "0"], "--max-mb must be from 1 to 4096"),
     # Weak scaling and the learning rate (issue 32): a scaling needs a per-rank batch to scale.
-    ("03", ["--batch-per-rank", "0"], "--batch-per-rank must be at least 1"),
+    ("03", ["--batch-per-rank", "0"], "--batch-per-rank must be from 1 to 1000000"),
     ("03", ["--batch-size", "64", "--batch-per-rank", "32"],
      "argument --batch-per-rank: not allowed with argument --batch-size"),
     ("00", ["--lr-scaling", "linear"], "with --batch-size the global batch stays the same"),
@@ -158,21 +159,49 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("09", ["--batch-per-rank", "32", "--warmup-steps", "10"], "it needs --lr-scaling linear"),
     ("10", ["--fix", "--batch-per-rank", "8", "--lr-scaling", "linear"],
      "10_debugging.py trains at a fixed --lr"),
-    ("02", ["--warmup-steps", "-1"], "--warmup-steps must be at least 0"),
+    ("02", ["--warmup-steps", "-1"], "--warmup-steps must be from 0 to 1000000000"),
     # Finite but absurd (issue 27): 0 ms once truncated, overflows.
     ("00", ["--timeout", "0.0001"], "--timeout must be from 1 to 604800"),
     ("03", ["--timeout", "1e300"], "--timeout must be from 1 to 604800"),
     ("00", ["--lr", "1e308"], "--lr must be above 0 and at most 10"),
     ("07", ["--bucket-cap-mb", "1e300"], "--bucket-cap-mb must be above 0 and at most 10000"),
+    # No count without an upper bound (issue 39, 11): memory filled silently, an OverflowError.
+    ("00", ["--data", "synthetic", "--train-samples", "100000000000"],
+     "--train-samples must be from 1 to 1000000"),
+    ("06", ["--test-samples", "1000001"], "--test-samples must be from 1 to 1000000"),
+    ("07", ["--batch-per-rank", "32", "--lr-scaling", "linear", "--warmup-steps", "1" + "0" * 400],
+     "--warmup-steps must be from 0 to 1000000000"),
+    ("03", ["--epochs", "100001"], "--epochs must be from 1 to 100000"),
+]
+# The launcher's variables are part of the command line (issue 39, 13): a value torchrun would
+# never set is one line when the command line is parsed, not a traceback in setup()'s int().
+BAD_LAUNCHER_VARIABLES = [  # (step, variables, what the one line must say)
+    ("00", {"RANK": "abc"}, "RANK='abc' is not a whole number"),
+    ("02", {"RANK": "1"}, "RANK=1 is out of range: it must be 0 (WORLD_SIZE=1)"),
+    ("03", {"WORLD_SIZE": "0"}, "WORLD_SIZE=0 is out of range: it must be at least 1"),
+    ("01", {"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 is out of range: it must be from 0 to 1"),
+    ("10", {"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0 is out of range: it must be 1"),
+    ("05", {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "2", "RANK": "0",
+            "MASTER_PORT": "29500"}, "LOCAL_RANK=2 is out of range: it must be from 0 to 1"),
+    ("07", {"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is out of range: it must be from 0 "
+                                     "to 65535"),
+    ("09", {"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "0"},
+     "MASTER_PORT=0 is out of range: it must be from 1 to 65535 (WORLD_SIZE=2)"),
+    ("02b", {"MASTER_PORT": "http"}, "MASTER_PORT='http' is not a whole number"),
 ]
 
 
 @pytest.mark.parametrize("step, arguments, expected", BAD_FLAGS,
-                         ids=[f"{s}{' '.join(a)}" for s, a, _ in BAD_FLAGS])
+                         ids=[f"{s}{' '.join(a)}"[:60] for s, a, _ in BAD_FLAGS])
 def test_every_bad_flag_is_one_line_before_any_work(step, arguments, expected, tmp_path,
                                                     monkeypatch, capsys):
     """The step's real main(), in this process (a subprocess per case would cost a torch import
     each): the command line is checked first, so nothing else may run."""
+    monkeypatch.delenv("RANK", raising=False)
+    expect_refused_when_parsed(step, arguments, expected, tmp_path, monkeypatch, capsys)
+
+
+def expect_refused_when_parsed(step, arguments, expected, tmp_path, monkeypatch, capsys):
     def no_work(*args, **kwargs):
         raise AssertionError(f"{arguments} got past the flag checks")
 
@@ -180,13 +209,36 @@ def test_every_bad_flag_is_one_line_before_any_work(step, arguments, expected, t
     monkeypatch.setattr(data, "load_datasets", no_work)
     monkeypatch.setattr(sys, "argv", [STEPS[step], *arguments, "--out-dir", str(tmp_path)]
                         if step != "01" else [STEPS[step], *arguments])
-    monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(REPO / STEPS[step]), run_name="__main__")
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert expected in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("step, variables, expected", BAD_LAUNCHER_VARIABLES,
+                         ids=[f"{s}-{'-'.join(v)}" for s, v, _ in BAD_LAUNCHER_VARIABLES])
+def test_every_bad_launcher_variable_is_one_line_before_any_work(step, variables, expected,
+                                                                 tmp_path, monkeypatch, capsys):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    # With WORLD_SIZE > 1 a message is printed once per launch and machine: a launch of its own.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", uuid.uuid4().hex)
+    arguments = ["--fix"] if step == "10" else []  # (10 needs one of --bug and --fix)
+    expect_refused_when_parsed(step, arguments, expected, tmp_path, monkeypatch, capsys)
+
+
+def test_a_bad_launcher_variable_is_one_line_in_a_real_process(tmp_path):
+    """The same, as a user meets it: a RANK left over in the shell, and plain python."""
+    proc = run_step("03_ddp_wrapper.py", [*TINY, "--out-dir", tmp_path], check=False,
+                    env_extra={"RANK": "1"})
+    assert proc.returncode == 2
+    expect_one_error_line(proc, "03_ddp_wrapper.py: the launcher variable RANK=1 is out of "
+                                "range: it must be 0 (WORLD_SIZE=1)", "unset it")
 
 
 def test_an_unwritable_out_dir_is_refused_when_parsed(tmp_path, monkeypatch, capsys):
@@ -285,6 +337,172 @@ def test_a_failed_save_says_so_removes_its_temporary_and_keeps_the_old_one(tmp_p
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left
     monkeypatch.undo()
     assert checkpoint.load(path)["epoch"] == 1
+
+
+# ---------------------------------------------------------------- values edited by hand
+def edited(good_checkpoint, folder, **changes):
+    """A copy of 00's checkpoint (epoch 1 of 2 steps: its schedule has taken 2) with `changes`;
+    "last_epoch" and "steps_per_epoch" go into the schedule's state."""
+    saved = torch.load(good_checkpoint, weights_only=True)
+    for key in ("last_epoch", "steps_per_epoch"):
+        if key in changes:
+            saved["scheduler"][key] = changes.pop(key)
+    saved.update(changes)
+    torch.save(saved, folder / "edited.pt")
+    return folder / "edited.pt"
+
+
+def mid_epoch(**changes):
+    """What 07 writes 1 step into epoch 2 (of 2 steps): consistent, as a good one is."""
+    state = {"cpu": torch.get_rng_state()}
+    return {"position": {"step": 1, "loss_sum": 2.3, "samples": 48}, "last_epoch": 3,
+            "rng": [state, state], **changes}
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"epoch": -1}, "its epoch is -1, expected a whole number of finished epochs from 0 to "
+                    "100000"),
+    ({"epoch": 10**12}, "its epoch is 1000000000000, expected"),
+    ({"epoch": 3}, "its schedule has taken 2 steps, but 3 epoch(s) of 2 steps and 0 more make 6"),
+    ({"steps_per_epoch": 0}, "its schedule counts 0 steps per epoch, expected a whole number "
+                             "from 1 to 1000000000"),
+    ({"last_epoch": -5}, "its schedule has taken -5 steps, but 1 epoch(s) of 2 steps"),
+    (mid_epoch(position={"step": 10**12, "loss_sum": 2.3, "samples": 48}),
+     "its position is step 1000000000000 of an epoch of 2 steps, expected 0 to 1"),
+    (mid_epoch(position={"step": -1, "loss_sum": 2.3, "samples": 48}),
+     "expected whole numbers of steps and samples"),
+    (mid_epoch(rng=[{"cpu": torch.get_rng_state()}, {"cpu": torch.get_rng_state()[:100]}]),
+     "the random state of rank 1 is not one torch can set (Expected a CPUGeneratorImplState of "
+     "size 5056 but found the input RNG state size to be 100)"),
+    (mid_epoch(rng=[{"cpu": torch.zeros(5056, dtype=torch.uint8)}]),
+     "the random state of rank 0 is not one torch can set (Invalid mt19937 state)"),
+])
+def test_a_checkpoint_value_edited_by_hand_is_one_line_naming_it(good_checkpoint, tmp_path,
+                                                                 changes, expected):
+    """Issue 39, 10: one check of the values, in checkpoint.load (00-08) and for 09's folders:
+    the epoch, the position and the schedule's count of steps must agree."""
+    path = edited(good_checkpoint, tmp_path, **changes)
+    with pytest.raises(common.UserError, match=re.escape(expected)) as error:
+        checkpoint.load(path)
+    assert str(error.value).startswith(f"checkpoint {path} ") and "\n" not in str(error.value)
+
+
+def test_a_good_mid_epoch_checkpoint_passes_the_checks(good_checkpoint, tmp_path):
+    assert checkpoint.load(edited(good_checkpoint, tmp_path, **mid_epoch()))["epoch"] == 1
+
+
+def test_a_random_state_of_the_wrong_size_is_one_line_in_07(good_checkpoint, tmp_path):
+    """Before, torch.set_rng_state raised on every rank, a traceback each."""
+    bad = edited(good_checkpoint, tmp_path, **mid_epoch(
+        rng=[{"cpu": torch.cat([torch.get_rng_state()] * 2)}]))
+    proc = run_step("07_fault_tolerance.py", [*TINY, "--resume", bad, "--out-dir", tmp_path],
+                    check=False)
+    assert proc.returncode == 2
+    expect_one_error_line(proc, f"checkpoint {bad} is damaged: the random state of rank 0 is "
+                                f"not one torch can set", "size to be 10112")
+
+
+def test_00_to_06_refuse_a_mid_epoch_checkpoint(good_checkpoint, tmp_path):
+    """Issue 39, 12: they continue at an epoch's start and would train its first steps again."""
+    path = edited(good_checkpoint, tmp_path, **mid_epoch())
+    proc = run_step("00_single_gpu.py", [*TINY, "--epochs", 2, "--resume", path,
+                                         "--out-dir", tmp_path], check=False)
+    assert proc.returncode == 2
+    expect_one_error_line(proc, f"checkpoint {path} was written at step 1 of epoch 2, in the "
+                                f"middle of it", "Resume it with 07_fault_tolerance.py")
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_folder_given_as_a_checkpoint_file_says_what_it_is(good_checkpoint, tmp_path):
+    """Issue 39, 13: a 09 folder (or a run's --out-dir) was called "does not exist"."""
+    dcp_folder = tmp_path / "checkpoint-epoch1-end"
+    dcp_folder.mkdir()
+    (dcp_folder / ".metadata").write_bytes(b"")
+    for folder, expected in [(dcp_folder, "a distributed checkpoint of step 09, which steps "
+                                          "00-08 cannot read; write one file from it with: "
+                                          "python 09_distributed_checkpoint.py export"),
+                             (good_checkpoint.parent, "did you mean "
+                                                      f"{good_checkpoint}?")]:
+        with pytest.raises(common.UserError, match=re.escape(
+                f"checkpoint {folder} is a folder, not a file: {expected}")):
+            checkpoint.load(folder)
+
+
+@pytest.fixture(scope="module")
+def dcp_checkpoints(tmp_path_factory):
+    """09's checkpoint folders of one process, written here with DCP as 09 writes them, with the
+    values edited: an epoch of -1, a schedule of 0 steps per epoch."""
+    import argparse
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from plumbing.model import build_model
+    from plumbing.schedule import LRSchedule
+
+    root = tmp_path_factory.mktemp("dcp")
+    for name, epoch, steps_per_epoch in [("epoch-1", -1, 2), ("0-steps", 1, 0)]:
+        model = build_model(argparse.Namespace(dropout=True, width=1), seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        schedule = LRSchedule(optimizer, 1.0, 0, 2).state_dict()
+        schedule.update(steps_per_epoch=steps_per_epoch, last_epoch=2)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():  # "torch.distributed is disabled": one process
+            warnings.simplefilter("ignore")
+            dcp.save({"model": model_state, "optim": optim_state, "extra": {
+                "epoch": epoch, "position": {"step": 0, "loss_sum": 0.0, "samples": 0},
+                "scheduler": schedule}}, checkpoint_id=root / name)
+    return root
+
+
+@pytest.mark.parametrize("command, name, expected", [
+    ("train", "epoch-1", "its epoch is -1, expected a whole number of finished epochs"),
+    ("export", "0-steps", "its schedule counts 0 steps per epoch"),
+])
+def test_09_checks_the_values_of_its_folders(dcp_checkpoints, tmp_path, command, name,
+                                            expected):
+    """09 resumes and exports through the same check (before: a traceback, or for 0 steps per
+    epoch a ZeroDivisionError in the schedule)."""
+    proc = run_step("09_distributed_checkpoint.py", [command, *TINY, "--resume",
+                                                     dcp_checkpoints / name,
+                                                     "--out-dir", tmp_path], check=False)
+    assert proc.returncode == 2
+    expect_one_error_line(proc, f"checkpoint {dcp_checkpoints / name} is damaged: {expected}")
+    assert not (tmp_path / "checkpoint.pt").exists() and not (tmp_path / "checkpoint").exists()
+
+
+# ---------------------------------------------------------------- the benchmark drivers
+@pytest.mark.parametrize("driver, arguments, expected", [
+    ("run.py", ["--rows", "scaling,speed"], "argument --rows: no row 'speed'; the rows are"),
+    ("run.py", ["--repeats", "0"], "--repeats must be from 1 to 1000"),
+    ("run.py", ["--out", "/proc/no/results.md"], "argument --out: cannot create /proc/no"),
+    ("lr_scaling.py", ["--per-rank-batch", "1024"], "it must be at least 4 x --per-rank-batch"),
+    ("loader.py", ["--batch-size", "0"], "--batch-size must be from 1 to 1000000"),
+    ("meta_init.py", ["--init", "meta"], "start it with torchrun"),
+])
+def test_a_bench_driver_refuses_a_bad_flag_in_one_line(driver, arguments, expected,
+                                                      monkeypatch, capsys):
+    """Issue 39, 13: the drivers used plain argparse types; bad values ended in tracebacks,
+    some after half an hour of measurements (an --out that cannot be written). In this process,
+    as the steps' flags above."""
+    monkeypatch.setattr(sys, "argv", [driver, *arguments])
+    monkeypatch.setattr(sys, "path", [str(REPO / "bench"), *sys.path])  # as python bench/X
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "bench" / driver), run_name="__main__")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: bench/{driver}: "), err
+    assert expected in err, err
+
+
+def test_the_loader_benchmark_runs(tmp_path):
+    """bench/loader.py, which docs/benchmarks.md quotes, crashed at once (issue 39, 13)."""
+    proc = launch([sys.executable, str(REPO / "bench" / "loader.py"), "--samples", "300",
+                   "--batch-size", "100", "--repeats", "1"])
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 + 4 and "HDF5 stream, 2 workers" in rows[-1], proc.stdout
 
 
 def write_mnist(root, images, labels, test_images=None, test_labels=None):

@@ -1,12 +1,16 @@
 """The tour (tour.py): every step in order, with the real launchers, ending with one table."""
 
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import tour
-from conftest import TEST_SAMPLES, launch
+from conftest import REPO, TEST_SAMPLES, base_env, launch
 
 
 def test_the_tour_runs_every_step_and_ends_with_one_table(mnist_root, tmp_path):
@@ -39,3 +43,25 @@ def test_a_step_without_a_summary_shows_the_processes_the_tour_started(capsys):
     tour.print_table([(script, idea, next_read, None)], seconds=1, processes=1)
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("01"))
     assert row.split(idea)[1].split()[:3] == ["1", "-", "-"], row
+
+def test_relative_paths_are_taken_from_where_the_tour_started(mnist_root, tmp_path):
+    """Issue 39, 9: the steps run in the repository's folder, so a relative --out-dir or
+    --data-dir given elsewhere must reach them as absolute paths (before, the table was all
+    dashes and the data synthetic). Step 00 is enough to show it: the tour stops there."""
+    (tmp_path / "digits").symlink_to(mnist_root)
+    tour_proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tour.py"), "--samples", "480", "--test-samples", "100",
+         "--data", "mnist", "--data-dir", "digits", "--out-dir", "runs"], cwd=tmp_path,
+        env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # its own process group: the test ends it and its children
+    summary = tmp_path / "runs" / "00_single_gpu" / "summary.json"
+    try:
+        deadline = time.monotonic() + 120
+        while not summary.exists() and tour_proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        os.killpg(tour_proc.pid, signal.SIGKILL)
+        output = tour_proc.communicate()[0]
+    assert summary.exists(), output[-3000:]
+    assert json.loads(summary.read_text())["test_samples"] == 100  # --data mnist: found
+    assert "synthetic" not in output, output[-3000:]
