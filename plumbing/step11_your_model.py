@@ -140,10 +140,22 @@ def save_atomically(state: dict, path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def torch_message(err: BaseException) -> str:
-    """torch's message as it prints it, indented, without the C++ source location."""
+def explain(err: BaseException, bug: str) -> str:
+    """torch's message as it prints it (indented, without a C++ source location), then the
+    diagnosis line for the planted mistake that raised it."""
     text = re.sub(r"^\[[^\]]*\.cpp:\d+\] ", "", str(err).strip())
-    return "\n".join("    " + line.rstrip() for line in text.splitlines() if line.strip())
+    message = "\n".join("    " + line.rstrip() for line in text.splitlines() if line.strip())
+    return message + "\ndiagnosis: " + {
+        "unused": f"DDP still waited for the gradients of {unused_names(err)} (the auxiliary "
+                  f"head, unused in the step before) when the next forward began: pass "
+                  f"find_unused_parameters=True, or static_graph=True when the same "
+                  f"parameters are unused in every step",
+        "checkpointing": f"reentrant checkpointing hid the block from DDP's search for unused "
+                         f"parameters, so {ready_twice(err)} was marked ready twice: "
+                         f"checkpoint(..., use_reentrant=False)",
+        "save": "the file holds the DDP wrapper's state dict, whose keys start with "
+                "'module.': save model.module.state_dict() and load it with weights_only=True",
+    }[bug]
 
 
 def unused_names(err: BaseException) -> str:
@@ -168,3 +180,49 @@ def write_checks(path, results: dict) -> None:
     tmp = temporary_name(path)
     tmp.write_text(json.dumps(results, indent=1))
     os.replace(tmp, path)
+
+
+def report(one_process, sampled, reloaded, run, args) -> bool:
+    """Rank 0: each check's measured number, then the diagnosis; True if any check failed."""
+    found, n = one_process.found, run.world_size
+    for kind in CHECKS:
+        print(f"check {kind}: {n} ranks vs one process over the global batch, {args.steps} "
+              f"steps: largest difference {found[kind]:.3g} (tolerance {TOLERANCE:g})")
+    print(f"check running statistics between ranks: largest difference "
+          f"{found['between ranks']:.3g}")
+    print(f"check samples: each rank drew {sampled['per_rank']}; {sampled['shared_by_rank_0']} "
+          f"of rank 0's were drawn by another rank too; {sampled['distinct']} distinct of "
+          f"{sampled['per_rank'] * n}")
+    print(f"check save: the reloaded plain model's outputs differ by {reloaded:g}")
+    unequal = [kind for kind in CHECKS if not found[kind] <= TOLERANCE]
+    overlapping = sampled["shared_by_rank_0"] > 0
+    write_checks(args.out_dir / "checks.json", {
+        "bug": args.bug, "world_size": n, "steps": args.steps, **found,
+        "norms": one_process.norms, **sampled, "reloaded": reloaded, "unequal": unequal})
+    norms = ", ".join(f"{x:.2f}" for x in one_process.norms)
+    if args.bug == "sampler":
+        print(f"diagnosis: no DistributedSampler: {sampled['shared_by_rank_0']} of the "
+              f"{sampled['per_rank']} samples rank 0 drew were drawn by the other ranks too "
+              f"(all {n} ranks trained on {sampled['distinct']} distinct samples, not "
+              f"{sampled['per_rank'] * n}): give the loader a DistributedSampler")
+    elif args.bug == "batchnorm":
+        print(f"diagnosis: per-rank BatchNorm: outputs differ from one process by "
+              f"{found['outputs']:.3g}, gradients by {found['gradients']:.3g}, running "
+              f"statistics by {found['running statistics']:.3g} (rank against rank "
+              f"{found['between ranks']:.3g}): nn.SyncBatchNorm.convert_sync_batchnorm on "
+              f"GPUs, all-reduced statistics (AllReducedBatchNorm2d) on the CPU")
+    elif args.bug == "clip":
+        print(f"diagnosis: clipping inside the micro-batch loop: gradients differ from one "
+              f"process's clipped step by {found['gradients']:.3g}, weights by "
+              f"{found['weights']:.3g} (global norms {norms}, clipped to "
+              f"{args.max_norm:g}): clip once, after the last backward")
+    else:
+        if unequal or overlapping or reloaded != 0:
+            print(f"error: a fix did not hold: {', '.join(unequal) or 'samples or save'}")
+            return True
+        print(f"all fixes hold: {n} ranks equal one process over the global batch within "
+              f"{TOLERANCE:g} (outputs, gradients, running statistics, weights; "
+              f"global norms {norms}, clipped to {args.max_norm:g}); the ranks' samples are "
+              f"disjoint; the saved model reloads bit for bit")
+        return False
+    return True
