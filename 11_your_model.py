@@ -78,6 +78,9 @@ def setup(args):
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # The checks compare at float32's rounding: no TF32 (10-bit) matmuls or convolutions.
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
     # INFO: DDP's errors name the parameters they are about, not only their indices. Read
     # when DDP is built; torch.distributed read the variable when it was imported.
     os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "INFO")

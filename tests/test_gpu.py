@@ -116,3 +116,21 @@ def test_compile_against_eager_on_the_gpu_is_measured(mnist_root, tmp_path):
     print(f"\n04 on {torch.cuda.get_device_name()} x{RANKS}: compiled "
           f"{rates['--compile']:,.0f} vs eager {rates['--no-compile']:,.0f} samples/s after "
           f"the first step")
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_sync_batchnorm_equals_the_hand_written_one(tmp_path):
+    """11 --fix on 2 GPUs (NCCL) with torch's SyncBatchNorm, and with the all-reduced BatchNorm
+    that 11 writes for the CPU: each equals one process over the global batch (the step checks
+    it and exits 0), and the two end with the same weights and running statistics."""
+    saved = {}
+    for name, extra in [("torch", []), ("by_hand", ["--batchnorm-by-hand"])]:
+        proc = run_step("11_your_model.py", ["--fix", "--device", "cuda", *extra,
+                                             "--out-dir", tmp_path / name], nproc=2)
+        assert_no_traceback(proc)
+        assert "device=cuda:0 world_size=2" in proc.stdout, proc.stdout[-2000:]
+        assert "all fixes hold: 2 ranks equal one process" in proc.stdout, proc.stdout[-2000:]
+        saved[name] = torch.load(tmp_path / name / "your_model.pt", weights_only=True)
+    assert saved["torch"].keys() == saved["by_hand"].keys()
+    assert max((saved["torch"][k].double() - saved["by_hand"][k].double()).abs().max().item()
+               for k in saved["torch"]) < ORDER
