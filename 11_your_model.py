@@ -23,6 +23,9 @@ The proof: rank 0 gathers every rank's micro-batches and trains a copy of the mo
 process would, over the same global batch (plumbing/step11_your_model.py). After each step it
 compares the forward outputs, the clipped gradients, every rank's BatchNorm running statistics
 and the weights with the copy's; the fixed run equals it within float32's rounding (1e-5).
+The data are the steps' digits, loaded as every step loads them (synthetic by default, --data
+mnist for MNIST): the sampler mistake needs a real Dataset and DataLoader. 4 steps of 16
+samples per rank keep every run to seconds.
 
 Run it (2 or more processes; GPUs use torch's SyncBatchNorm, CPUs the one written here):
     torchrun --standalone --nproc-per-node 2 11_your_model.py --bug unused
@@ -37,7 +40,6 @@ Read also: plumbing/step11_your_model.py (the one-process copy, gathering and co
 docs/your-model.md (each mistake, what torch 2.15.0 says, the numbers measured).
 """
 
-import datetime
 import os
 import warnings
 from contextlib import nullcontext
@@ -66,29 +68,17 @@ RAISES = {"unused": "Expected to have finished reduction in the prior iteration"
 
 
 def setup(args):
-    """Join the process group, as step 03 does; --timeout (15 s here) bounds every collective."""
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "0")
-    device = common.choose_device(args.device, local_rank, local_ranks)
-    common.set_deterministic(args.deterministic)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        # The checks compare at float32's rounding: no TF32 (10-bit) matmuls or convolutions.
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cudnn.allow_tf32 = False
+    """Join the process group as steps 04 on do (common.setup_distributed: step 03's setup);
+    --timeout (15 s here) bounds every collective."""
     # INFO: DDP's errors name the parameters they are about, not only their indices. Read
     # when DDP is built; torch.distributed read the variable when it was imported.
     os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "INFO")
     dist.set_debug_level_from_env()
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if device.type == "cuda" else None)
-    return common.Run(device, rank, local_rank, world_size, backend=backend)
+    run = common.setup_distributed(args)
+    if run.device.type == "cuda":  # the checks compare at float32's rounding: no TF32
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+    return run
 
 
 class YourModel(nn.Module):

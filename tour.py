@@ -53,6 +53,8 @@ STEPS = [
      ["--checkpoint-every", "5"]),
     ("10_debugging.py", True, "side trip: planted hangs and the tools that find them",
      "read 10_debugging.py whole; then --bug skip", ["--fix"]),
+    ("11_your_model.py", True, "side trip: six mistakes of your own model, fixed",
+     "read 11_your_model.py whole; then --bug unused", ["--fix", "--steps", "2"]),
 ]
 
 
