@@ -27,7 +27,7 @@ import torch
 from plumbing.flags import SAMPLES_LIMIT  # the steps' own bound on --train-samples
 
 REPO = Path(__file__).resolve().parent
-NO_SUMMARY = {"01_torch_dist_allreduce.py", "10_debugging.py"}  # side trips that train nothing
+NO_SUMMARY = {"01_torch_dist_allreduce.py", "10_debugging.py", "11_your_model.py"}  # no summary.json
 # file, runs on 2 processes?, the idea it adds, what to read next, extra arguments
 STEPS = [
     ("00_single_gpu.py", False, "baseline: train and evaluate on one device",
@@ -56,6 +56,8 @@ STEPS = [
      ["--checkpoint-every", "5"]),
     ("10_debugging.py", True, "side trip: planted hangs and the tools that find them",
      "read 10_debugging.py whole; then --bug skip", ["--fix"]),
+    ("11_your_model.py", True, "side trip: six mistakes of your own model, fixed",
+     "read 11_your_model.py whole; then --bug unused", ["--fix", "--steps", "2"]),
 ]
 
 

@@ -358,3 +358,22 @@ def test_debugging_fix_exits_0_under_nccl(env, backend, tmp_path):
     assert_no_traceback(proc)
     assert f"backend={backend} " in proc.stdout
     assert "median test loss over 21 samples" in proc.stdout
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_sync_batchnorm_equals_the_hand_written_one(tmp_path):
+    """11 --fix on 2 GPUs (NCCL) with torch's SyncBatchNorm, and with the all-reduced BatchNorm
+    that 11 writes for the CPU: each equals one process over the global batch (the step checks
+    it and exits 0), and the two end with the same weights and running statistics."""
+    saved = {}
+    for name, extra in [("torch", []), ("by_hand", ["--batchnorm-by-hand"])]:
+        proc = run_step("11_your_model.py", ["--fix", "--device", "cuda", *extra,
+                                             "--out-dir", tmp_path / name], nproc=2,
+                        gpus=True)
+        assert_no_traceback(proc)
+        assert "device=cuda:0 world_size=2" in proc.stdout, proc.stdout[-2000:]
+        assert "all fixes hold: 2 ranks equal one process" in proc.stdout, proc.stdout[-2000:]
+        saved[name] = torch.load(tmp_path / name / "your_model.pt", weights_only=True)
+    assert saved["torch"].keys() == saved["by_hand"].keys()
+    assert max((saved["torch"][k].double() - saved["by_hand"][k].double()).abs().max().item()
+               for k in saved["torch"]) < ORDER

@@ -26,7 +26,8 @@ def test_the_tour_runs_every_step_and_ends_with_one_table(mnist_root, tmp_path):
     assert [row[0] for row in rows] == [tour.step_id(script) for script in scripts], table
     for script, (step, world, accuracy, rate, read_next) in zip(scripts, rows):
         assert read_next.startswith(("diff -u", "read ")), read_next
-        if step in ("01", "10"):  # side trips with no summary: collectives, planted hangs
+        if step in ("01", "10", "11"):  # side trips with no summary: collectives, planted
+            # hangs, planted mistakes of your own model
             assert (accuracy, rate) == ("-", "-")
             continue
         # The table's numbers are the step's own summary.json.
