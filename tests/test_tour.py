@@ -46,4 +46,7 @@ def test_the_tour_runs_every_step_and_ends_with_one_table(tmp_path):
     assert [row[:4] + row[5:] for row in ROW.findall(sample)] == \
         [row[:4] + row[5:] for row in rows], (sample, table)
     quoted = re.findall(r"^(epoch 1: train loss .+?%\s\(\d+/\d+\))", sample, re.M)
-    assert quoted and all(line in proc.stdout for line in quoted), (quoted, proc.stdout[-3000:])
+    quoted += [line for line in sample.splitlines()  # no timing or host name in them
+               if line.startswith(("  bucket ", "FSDP2: ", "rank ", "DDP's "))]
+    missing = [line for line in quoted if line not in proc.stdout]
+    assert len(quoted) >= 8 and not missing, missing
