@@ -1,9 +1,10 @@
 """Step 08: shard instead of replicate. FSDP2, for a model too large for one device.
 
 Built on step 07. DDP keeps the whole model, its gradients and its optimizer state on every
-rank; `fully_shard` (FSDP2) keeps 1/N of each: it gathers a layer's weights before computing with
-them and averages and splits their gradients after backward. The model is built on the `meta` device
-and filled from rank 0's copy, so no other rank ever holds it whole. Not sharded: activations, a
+rank; `fully_shard` (FSDP2) keeps 1/N of each: it gathers a layer's weights before computing
+with them and averages and splits their gradients after backward. The model is built on the
+`meta` device and filled from rank 0's copy, so no other rank ever holds it whole; rank 0's CPU
+does, once (docs/fsdp.md shows the init that never builds it whole). Not sharded: activations, a
 layer while gathered, gradients while they accumulate. Checkpoints are 07's: rank 0's one file.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
