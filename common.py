@@ -18,6 +18,7 @@ import subprocess
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ def torch_older_than(version: str) -> bool:
 
 def torch_needed_by(script) -> str | None:
     """The version a step's require_torch(...) line asks for, or None (tour.py reads it)."""
-    found = re.search(r'require_torch\("([\d.]+)"', open(script).read())
+    found = re.search(r'require_torch\("([\d.]+)"', Path(script).read_text())
     return found.group(1) if found else None
 
 
