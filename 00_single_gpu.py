@@ -54,6 +54,7 @@ def evaluate(model, loader, run):
     return metrics.test_results(metrics.test_sums(model, loader, run))
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     args = flags.parser(__doc__, __file__).parse_args()  # every flag is checked here
     run = common.Run(common.choose_device(args.device), amp=args.amp)

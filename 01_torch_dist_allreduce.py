@@ -56,8 +56,9 @@ def demo_collectives(rank: int, world_size: int, device: torch.device) -> None:
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     show(rank, world_size, "all_reduce(sum)", mine, total)
 
-    # Averaging is how DDP combines gradients. NCCL has ReduceOp.AVG, gloo does not,
-    # so sum and divide: it works on both.
+    # Averaging is how DDP combines gradients. ReduceOp.AVG does it in one call with NCCL, and
+    # with gloo on torch 2.15 (2.7's gloo raises "Cannot use ReduceOp.AVG with Gloo"), so sum
+    # and divide: it works on every backend and torch this tutorial supports.
     average = mine.clone()
     dist.all_reduce(average, op=dist.ReduceOp.SUM)
     average /= world_size
@@ -129,6 +130,7 @@ def timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = flags.Parser(description=__doc__, prog="01_torch_dist_allreduce.py",
                           formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,7 +154,7 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
     # Join the group: blocks until all world_size ranks have arrived at MASTER_ADDR:MASTER_PORT.
-    # device_id lets NCCL connect at once (gloo, on the CPU, takes none).
+    # device_id lets NCCL connect at once (gloo needs none; 2.15 accepts cpu:0, 2.7 refuses it).
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120),
                             device_id=device if device.type == "cuda" else None)

@@ -93,6 +93,7 @@ def evaluate(model, loader, run):
     return metrics.test_results(sums)
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     args = flags.parser(__doc__, __file__).parse_args()  # every flag is checked here
     run = setup(args)

@@ -137,6 +137,7 @@ def evaluate(model, loader, run):
     return metrics.test_results(sums)
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),

@@ -5,15 +5,19 @@ gradients *during* backward(): they go into buckets, and a bucket is sent as soo
 gradients are ready, so communication overlaps the rest of the backward pass instead of
 following it. `no_sync()` skips the all-reduce on micro-batches that only accumulate.
 
-Step 02b wrote that overlap by hand. What DDP adds, as read in torch 2.14's sources
+Step 02b wrote that overlap by hand. What DDP adds, as read in torch 2.15's sources
 (nn/parallel/distributed.py, c10d's reducer, _dynamo/backends/distributed.py):
 - bucket rebuilding: its first backward sends all gradients as one bucket and notes the order
   in which they arrive; then it rebuilds its buckets once in that order (rank 0's order,
-  broadcast to all) and keeps them. Each is one flat buffer, allocated once, into which every
-  gradient is copied (times 1/N) as it arrives; buckets are all-reduced strictly in turn.
+  broadcast to all; a world of one rebuilds too) and keeps them. Each is one flat buffer,
+  allocated once (2.15's `lazy_bucket_allocation=True` allocates it as its gradients arrive
+  and frees it after backward), into which every gradient is copied (times 1/N) as it
+  arrives; buckets are all-reduced strictly in turn.
 - `no_sync()`, where 02b sets a flag by hand.
 - the C++ reducer: hooks, copies and waits run in C++, and the wait for the last bucket is
-  queued at the end of backward(), so the gradients are averaged when backward() returns.
+  queued at the end of backward(), so the gradients are averaged when backward() returns
+  (2.15's `require_manual_backward_finalization = True` leaves that wait to the caller's
+  `finalize_backward()`, to overlap it with other work).
 - under torch.compile (step 04), DDPOptimizer splits the compiled graph at bucket boundaries:
   one fused backward would make every gradient ready at once, and nothing would overlap.
 
@@ -107,8 +111,6 @@ def describe_buckets(model) -> str:
     holds more than its cap: 1 MiB for the first, so communication starts early, 25 MiB for
     the rest (--bucket-cap-mb sets both). _get_ddp_logging_data: DDP's own report."""
     info = model._get_ddp_logging_data()
-    if not info.get("has_rebuilt_buckets"):  # a world of one never rebuilds
-        return f"DDP: one bucket of {int(info['bucket_sizes']) / 2**20:.2f} MiB"
     names = [name for name, _ in model.module.named_parameters()]
     buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
                   info["rebuilt_per_bucket_param_indices"].split(", "))
@@ -118,6 +120,7 @@ def describe_buckets(model) -> str:
         for i, (size, indices) in enumerate(buckets))
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),

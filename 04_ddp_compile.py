@@ -5,7 +5,7 @@ Triton on the GPU): fewer trips through memory, less Python per step, for a one-
 the first step. Compile the model, then wrap it: DDP(torch.compile(model)). Either order gets
 Dynamo's DDPOptimizer, which cuts the graph at DDP's bucket boundaries so all-reduce still
 overlaps backward, but compiling the wrapper, torch.compile(DDP(model)), also traces DDP's own
-forward and breaks the graph three times there (measured on torch 2.14; see the README).
+forward and breaks the graph three times there (measured on torch 2.14; see docs/steps.md).
 From this step on, step 02's setup() and step 03's describe_buckets() live in common.py.
 
 Run it:
@@ -70,6 +70,7 @@ def evaluate(model, loader, run):
     return metrics.test_results(sums)
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),
@@ -77,7 +78,7 @@ def main():
                         "bucket, 25 MiB for the others; a value sets all of them)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         help="torch.compile the model (default: on GPUs; off on the CPU, "
-                        "where it measured slower for this model: see the README)")
+                        "where it measured slower for this model: see docs/benchmarks.md)")
     args = parser.parse_args()  # every flag is checked here
     run = common.setup_distributed(args)  # step 02's setup(), now shared
     train_set, test_set = data.load_datasets(args, run, download=run.is_main)

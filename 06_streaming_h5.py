@@ -170,6 +170,7 @@ class StreamingDigits(IterableDataset):
         return digits_h5.read_rows(self.path, f, ranges)  # one sequential read per range
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),
@@ -177,7 +178,7 @@ def main():
                         "bucket, 25 MiB for the others; a value sets all of them)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         help="torch.compile the model (default: on GPUs; off on the CPU, "
-                        "where it measured slower for this model: see the README)")
+                        "where it measured slower for this model: see docs/benchmarks.md)")
     parser.add_argument("command", nargs="?", choices=["train", "prepare"], default="train",
                         help="prepare: only write the HDF5 file (train prepares it if missing)")
     parser.add_argument("--h5", type=Path, metavar="PATH",

@@ -117,6 +117,7 @@ def report_topology(run):
     return len({node for node, *_ in everyone})
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),
@@ -124,7 +125,7 @@ def main():
                         "bucket, 25 MiB for the others; a value sets all of them)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         help="torch.compile the model (default: on GPUs; off on the CPU, "
-                        "where it measured slower for this model: see the README)")
+                        "where it measured slower for this model: see docs/benchmarks.md)")
     parser.add_argument("--checkpoint-every", type=flags.integer(0, what="--checkpoint-every"),
                         default=100, metavar="K",
                         help="also checkpoint every K training steps (0: once per epoch only)")

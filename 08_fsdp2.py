@@ -1,9 +1,10 @@
 """Step 08: shard instead of replicate. FSDP2, for a model too large for one device.
 
 Built on step 07. DDP keeps the whole model, its gradients and its optimizer state on every
-rank; `fully_shard` (FSDP2) keeps 1/N of each: it gathers a layer's weights before computing with
-them and sums and splits their gradients after backward. The model is built on the `meta` device
-and filled from rank 0's copy, so no other rank ever holds it whole. Not sharded: activations, a
+rank; `fully_shard` (FSDP2) keeps 1/N of each: it gathers a layer's weights before computing
+with them and averages and splits their gradients after backward. The model is built on the
+`meta` device and filled from rank 0's copy, so no other rank ever holds it whole; rank 0's CPU
+does, once (docs/fsdp.md shows the init that never builds it whole). Not sharded: activations, a
 layer while gathered, gradients while they accumulate. Checkpoints are 07's: rank 0's one file.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import Subset
 
 import common
+common.require_torch("2.9", "FSDP2 on gloo: before 2.9 its gradients were summed, not averaged")
 from plumbing import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
 from plumbing import step08_fsdp2 as sharded
 from plumbing.model import build_model
@@ -134,7 +136,8 @@ def shard(model, run, args):
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(run.device.type, (run.world_size,))
-    # On GPUs: compute in bf16 (half the bytes to gather), sum gradients in fp32 (precision).
+    # On GPUs: compute in bf16 (half the bytes to gather), average gradients in fp32 (precision;
+    # stated, since with reduce_dtype=None torch 2.14 reduced in bf16, 2.15 in the fp32 params').
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   output_dtype=torch.float32) if args.mixed_precision else None
     # reshard_after_forward: free the gathered weights after forward and gather them again in
@@ -145,10 +148,11 @@ def shard(model, run, args):
     return model
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("--mixed-precision", action="store_true",
-                        help="compute in bf16 and sum gradients in fp32 (for GPUs with bf16)")
+                        help="compute in bf16, average gradients in fp32 (for GPUs with bf16)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                         default=True, help="free gathered weights after forward (default)")
     parser.add_argument("--hsdp", action="store_true",

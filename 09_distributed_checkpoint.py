@@ -34,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import Subset
 
 import common
+common.require_torch("2.9", "FSDP2 on gloo: before 2.9 its gradients were summed, not averaged")
 from plumbing import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
 from plumbing import step08_fsdp2 as sharded, step09_dcp_checkpoint as dcp_checkpoint
 from plumbing.model import build_model
@@ -137,7 +138,8 @@ def shard(model, run, args):
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(run.device.type, (run.world_size,))
-    # On GPUs: compute in bf16 (half the bytes to gather), sum gradients in fp32 (precision).
+    # On GPUs: compute in bf16 (half the bytes to gather), average gradients in fp32 (precision;
+    # stated, since with reduce_dtype=None torch 2.14 reduced in bf16, 2.15 in the fp32 params').
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   output_dtype=torch.float32) if args.mixed_precision else None
     # reshard_after_forward: free the gathered weights after forward and gather them again in
@@ -148,12 +150,13 @@ def shard(model, run, args):
     return model
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = flags.parser(__doc__, __file__)
     parser.add_argument("command", nargs="?", choices=["train", "export"], default="train",
                         help="export: write the --resume checkpoint as one plain checkpoint.pt")
     parser.add_argument("--mixed-precision", action="store_true",
-                        help="compute in bf16 and sum gradients in fp32 (for GPUs with bf16)")
+                        help="compute in bf16, average gradients in fp32 (for GPUs with bf16)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                         default=True, help="free gathered weights after forward (default)")
     parser.add_argument("--hsdp", action="store_true",
@@ -240,7 +243,7 @@ def main():
     # async_save writes from a background thread, and its collectives need a group of their
     # own: on GPUs one that can do CPU collectives (NCCL cannot: gloo), and on the CPU one
     # whose messages cannot interleave with FSDP's all-gathers (on the training group, gloo
-    # aborted in 3 runs of 3).
+    # aborted in 3 runs of 3 on torch 2.14; on 2.15 such a run can also hang, silently).
     checkpoint_group = dist.new_group(backend="gloo")
     saving = dcp_checkpoint.Commits(args.out_dir, run, settings)  # one save at a time, + commit
 

@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
+common.require_torch("2.8", "the Flight Recorder's dump on gloo")  # before it is imported below
 from plumbing import data, flags
 from plumbing import step10_debugging as debug
 from plumbing.model import build_model
@@ -243,6 +244,7 @@ def check_the_bug_shows(args, world_size: int) -> None:
                                f"has no extra batch; leave it out (default 32N+1)")
 
 
+@common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = flags.parser(__doc__, __file__)
     choice = parser.add_mutually_exclusive_group(required=True)

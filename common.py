@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
+import sys
 import sysconfig
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,9 +25,35 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plumbing.errors import UserError, run_main  # noqa: F401 -- the steps call common.run_main
+from plumbing.errors import UserError, record, report, run_main  # noqa: F401 -- steps use them
 from plumbing.ranks import all_ranks_agree, join_group, log  # noqa: F401 -- steps call log
 from plumbing.schedule import LRSchedule
+
+
+# ---------------------------------------------------------------- the torch this runs on
+def require_torch(version: str, why: str) -> None:
+    """Stop with one line (exit 2) when the installed torch is older than `version`.
+
+    A step that needs a newer torch than requirements.txt's oldest calls this first, before the
+    imports that only the newer torch has: it says which version it needs before any work,
+    instead of failing later in a traceback. (Not a UserError: it may run before main().)"""
+    if torch_older_than(version):
+        report(f"{os.path.basename(sys.argv[0])} needs torch >= {version} ({why}); this is "
+               f"torch {torch.__version__}: pip install 'torch>={version}' and its torchvision")
+        sys.exit(2)
+
+
+def torch_older_than(version: str) -> bool:
+    """True when the installed torch is older than `version` ("2.8" or "2.8.1")."""
+    def numbers(text):
+        return tuple(int(n) for n in re.findall(r"\d+", text.split("+")[0])[:3])
+    return numbers(torch.__version__) < numbers(version)
+
+
+def torch_needed_by(script) -> str | None:
+    """The version a step's require_torch(...) line asks for, or None (tour.py reads it)."""
+    found = re.search(r'require_torch\("([\d.]+)"', Path(script).read_text())
+    return found.group(1) if found else None
 
 
 # ---------------------------------------------------------------- who and where
@@ -132,8 +160,6 @@ def setup_distributed(args) -> Run:
 def describe_buckets(model) -> str:
     """DDP's gradient buckets, as step 03 writes out (steps 04 on call this)."""
     info = model._get_ddp_logging_data()
-    if not info.get("has_rebuilt_buckets"):  # a world of one never rebuilds
-        return f"DDP: one bucket of {int(info['bucket_sizes']) / 2**20:.2f} MiB"
     names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
     buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
                   info["rebuilt_per_bucket_param_indices"].split(", "))

@@ -10,7 +10,8 @@ each step adds, its world size, test accuracy and samples/s, and the diff to rea
 04 compiles (once, 15-25 s on a CPU); every other step runs eagerly (`--no-compile` for the
 steps that compile by default on GPUs) and with `--deterministic`, so that the steps that
 compute the same thing print the same accuracy on GPUs too, as they do on the CPU. Any step
-that fails stops the tour with its exit code.
+that fails stops the tour with its exit code, except a step that refuses this torch as too old
+(its common.require_torch line): the table then says which torch it needs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+import common
 from plumbing.flags import SAMPLES_LIMIT  # the steps' own bound on --train-samples
 
 REPO = Path(__file__).resolve().parent
@@ -113,6 +115,10 @@ def main():
         shown = ["torchrun", *cmd[3:]] if distributed else ["python", *cmd[1:]]
         print(f"\n=== {step_id(script)}: {idea}\n$ {' '.join(shown)}", flush=True)
         code = subprocess.run(cmd, cwd=REPO).returncode
+        needed = common.torch_needed_by(REPO / script)  # its require_torch("X.Y", ...) line
+        if code and needed and common.torch_older_than(needed):
+            rows.append((script, idea, next_read, f"needs torch {needed}"))  # it said so
+            continue
         if code:
             sys.exit(f"tour: {script} failed with exit code {code}; its output is above")
         summary = out / "summary.json"
@@ -130,6 +136,9 @@ def print_table(rows, seconds: float, processes: int) -> None:
     for script, idea, next_read, summary in rows:
         if summary is None:  # step 01 trains nothing: its world is the processes we started
             world, accuracy, rate = str(processes), "-", "-"
+        elif isinstance(summary, str):  # this torch is too old for the step: it said which
+            print(f"{step_id(script):<5}{idea:<52}{summary:>26}   (skipped)")
+            continue
         else:
             world = str(summary["world_size"])
             accuracy = f"{100 * summary['test_accuracy']:.1f}%"

@@ -8,8 +8,10 @@ from __future__ import annotations
 import datetime
 import gc
 import hashlib
+import json
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import sys
@@ -17,6 +19,8 @@ import tempfile
 import time
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
 
 # The signals a launcher sends to end a job: SLURM sends SIGTERM before it preempts a job or at
 # the time limit (and USR1/USR2 with --signal), torchrun forwards SIGTERM, SIGINT, SIGHUP and
@@ -267,3 +271,31 @@ def explain_collective_failure(err: RuntimeError) -> str | None:
         return (f"lost contact with a peer during a collective ({detail}): another rank "
                 f"crashed or was killed; its own output says why")
     return None
+
+
+# ---------------------------------------------------------------- torchrun's failure summary
+class _OneLineErrorFile(ErrorHandler):
+    """What @record writes to the error file torchrun names: for an error we explain in one line
+    (bad input, a lost peer), that line; for anything else (a bug), the traceback as usual."""
+
+    def record_exception(self, e: BaseException) -> None:
+        explained = isinstance(e, (UserError, PeerFailure)) or (
+            isinstance(e, RuntimeError) and _PEER_MARKERS.search(str(e)))
+        path = self._get_error_file_path()
+        if not explained or not path:
+            return super().record_exception(e)
+        line = f"{type(e).__name__}: {first_line(e, limit=300)}"
+        with open(path, "w") as file:
+            json.dump({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}, file)
+
+
+_PEER_MARKERS = re.compile(r"timed out|timeout|Connection (reset|closed|refused)|Broken pipe",
+                           re.IGNORECASE)
+
+
+def record(main):
+    """torch's elastic `record` decorator (every step's main() wears it): a rank's error goes to
+    the file torchrun names, so torchrun's failure summary shows it instead of `error_file:
+    <N/A>`; an error we explain shows as its one line there too, never as a traceback."""
+    return elastic_record(main, error_handler=_OneLineErrorFile())

@@ -98,7 +98,12 @@ def test_checkpoint_of_a_different_model(tmp_path):
 def test_batch_not_divisible_by_world_size_prints_once(tmp_path):
     proc = run_step("03_ddp_wrapper.py", [*TINY[:-4], "--batch-size", 47, "--epochs", 1,
                                           "--out-dir", tmp_path], nproc=2, check=False)
-    expect_one_error_line(proc, "47", "2")
+    line = expect_one_error_line(proc, "47", "2")
+    # @record (common.record): torchrun's summary names the error, as our one line, no traceback.
+    root_cause = proc.stderr.split("Root Cause")[-1]
+    assert "error_file: <N/A>" not in root_cause, root_cause
+    assert f"traceback : UserError: {line.split('error: ', 1)[1].split(' (rank ')[0]}" in \
+        root_cause, root_cause
 
 
 def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):

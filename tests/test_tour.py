@@ -1,4 +1,5 @@
-"""The tour (tour.py): every step in order, with the real launchers, ending with one table."""
+"""The tour (tour.py): every step in order, with the real launchers, ending with one table; and
+the README's sample output is what the tour prints."""
 
 import json
 import os
@@ -10,21 +11,29 @@ import time
 from pathlib import Path
 
 import tour
-from conftest import REPO, TEST_SAMPLES, base_env, launch
+from conftest import REPO, base_env, launch
+
+ROW = re.compile(r"^(\d\d[a-z]?)\s+(.+?)\s+(\d+)\s+(\S+)\s+(\S+)   (.+)$", re.M)
 
 
-def test_the_tour_runs_every_step_and_ends_with_one_table(mnist_root, tmp_path):
-    proc = launch([sys.executable, "tour.py", "--samples", "480", "--test-samples",
-                   str(TEST_SAMPLES), "--data", "mnist", "--data-dir", str(mnist_root),
-                   "--out-dir", str(tmp_path)], timeout=900)
+def readme_sample() -> str:
+    """The README's sample output: the code block under "## What you will see"."""
+    section = (REPO / "README.md").read_text().split("## What you will see")[1]
+    return section.split("```")[1]
+
+
+def test_the_tour_runs_every_step_and_ends_with_one_table(tmp_path):
+    # As the README's sample ran it: default sizes, built-in synthetic digits.
+    proc = launch([sys.executable, "tour.py", "--data", "synthetic", "--out-dir", str(tmp_path)],
+                  timeout=900)
     scripts = [script for script, *_ in tour.STEPS]
     for script in scripts:  # each step's own output, as it went
         assert f"\n=== {tour.step_id(script)}: " in proc.stdout, proc.stdout[-3000:]
     assert "compile=on" in proc.stdout and "first step" in proc.stdout  # 04, compiled once
     table = proc.stdout.split("=== the tour")[1]
-    rows = re.findall(r"^(\d\d[a-z]?)\s+.+?\s+(\d+)\s+(\S+)\s+(\S+)   (.+)$", table, re.M)
+    rows = ROW.findall(table)
     assert [row[0] for row in rows] == [tour.step_id(script) for script in scripts], table
-    for script, (step, world, accuracy, rate, read_next) in zip(scripts, rows):
+    for script, (step, idea, world, accuracy, rate, read_next) in zip(scripts, rows):
         assert read_next.startswith(("diff -u", "read ")), read_next
         if step in ("01", "10", "11"):  # side trips with no summary: collectives, planted
             # hangs, planted mistakes of your own model
@@ -33,8 +42,19 @@ def test_the_tour_runs_every_step_and_ends_with_one_table(mnist_root, tmp_path):
         # The table's numbers are the step's own summary.json.
         summary = json.loads((tmp_path / Path(script).stem / "summary.json").read_text())
         assert accuracy == f"{100 * summary['test_accuracy']:.1f}%", table
-        assert 0 < summary["test_accuracy"] <= 1 and summary["test_samples"] == TEST_SAMPLES
+        assert 0 < summary["test_accuracy"] <= 1 and summary["test_samples"] == 1000
         assert int(world) == summary["world_size"] == (1 if step == "00" else 2)
+
+    # The README's sample is this run: the same table but for samples/s and seconds (which
+    # vary by machine), and each epoch line it quotes, up to its samples/s.
+    sample = readme_sample()
+    assert [row[:4] + row[5:] for row in ROW.findall(sample)] == \
+        [row[:4] + row[5:] for row in rows], (sample, table)
+    quoted = re.findall(r"^(epoch 1: train loss .+?%\s\(\d+/\d+\))", sample, re.M)
+    quoted += [line for line in sample.splitlines()  # no timing or host name in them
+               if line.startswith(("  bucket ", "FSDP2: ", "rank ", "DDP's "))]
+    missing = [line for line in quoted if line not in proc.stdout]
+    assert len(quoted) >= 8 and not missing, missing
 
 
 def test_a_step_without_a_summary_shows_the_processes_the_tour_started(capsys):
@@ -44,6 +64,7 @@ def test_a_step_without_a_summary_shows_the_processes_the_tour_started(capsys):
     tour.print_table([(script, idea, next_read, None)], seconds=1, processes=1)
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("01"))
     assert row.split(idea)[1].split()[:3] == ["1", "-", "-"], row
+
 
 def test_relative_paths_are_taken_from_where_the_tour_started(mnist_root, tmp_path):
     """Issue 39, 9: the steps run in the repository's folder, so a relative --out-dir or

@@ -1,0 +1,64 @@
+"""The torch versions we promise (README, "Versions"): a step that needs a newer torch than the
+one installed says so in one line, and what the steps' comments state of this torch holds.
+(.ci/oldest_torch.py runs the tour on the oldest torch; this file runs on the newest.)"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+import tour
+from conftest import REPO
+
+
+def test_a_step_that_needs_a_newer_torch_refuses_in_one_line(capsys):
+    common.require_torch(torch.__version__.split("+")[0], "runs here")  # this torch: silent
+    with pytest.raises(SystemExit) as stopped:
+        common.require_torch("99.1", "a feature of the future")
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and (
+        f"needs torch >= 99.1 (a feature of the future); this is torch {torch.__version__}"
+        in lines[0]), lines
+
+
+def test_version_comparison():
+    assert common.torch_older_than("99.0") and not common.torch_older_than("2.7")
+    assert not common.torch_older_than(torch.__version__)
+
+
+def test_every_gated_step_checks_before_its_plumbing_imports():
+    """The check must come before anything only a newer torch can import (10's plumbing)."""
+    gated = {script: common.torch_needed_by(REPO / script) for script, *_ in tour.STEPS}
+    gated = {script: version for script, version in gated.items() if version}
+    assert set(gated) >= {"10_debugging.py"}, gated
+    for script in gated:
+        source = (REPO / script).read_text()
+        assert source.index("common.require_torch(") < source.index("\nfrom plumbing"), script
+
+
+# What 01, 03 and docs/steps.md state of this torch (2.15), checked in a world of one.
+CLAIMS = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+dist.init_process_group("gloo", rank=0, world_size=1, device_id=torch.device("cpu:0"))  # accepted
+average = torch.tensor([1.0, 3.0])
+dist.all_reduce(average, op=dist.ReduceOp.AVG)  # gloo has AVG (2.7's raised)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+for _ in range(3):  # DDP rebuilds its buckets in the forward after its first backward
+    model(torch.randn(2, 4)).sum().backward()
+print("rebuilt:", model._get_ddp_logging_data()["has_rebuilt_buckets"])
+del model
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(common.torch_older_than("2.15"), reason="the claims are about torch 2.15")
+def test_gloo_takes_a_cpu_device_id_and_averages_and_a_world_of_one_rebuilds_buckets():
+    proc = subprocess.run([sys.executable, "-c", CLAIMS], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rebuilt: 1" in proc.stdout, proc.stdout
