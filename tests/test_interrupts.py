@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -185,7 +186,10 @@ def test_ctrl_c_while_a_peer_is_stalled_ends_the_run_in_seconds(tmp_path, ctrl_c
     everyone = descendants(agent.pid)
     ranks = rank_pids(agent)
     os.kill(ranks[1], signal.SIGSTOP)
-    time.sleep(1)  # rank 0 reaches its next collective and waits there
+    time.sleep(1)  # rank 0 reaches its next collective and waits there (in C: a futex)
+    while "futex" not in Path(f"/proc/{ranks[0]}/wchan").read_text():
+        assert agent.poll() is None, read(agent)
+        time.sleep(0.05)
     os.kill(ranks[0] if ctrl_c_to == "rank 0" else agent.pid, signal.SIGINT)
     sent = time.monotonic()
     while alive([ranks[0]]):
@@ -197,6 +201,7 @@ def test_ctrl_c_while_a_peer_is_stalled_ends_the_run_in_seconds(tmp_path, ctrl_c
     assert agent.returncode != 0
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert any(line.startswith("error: interrupted (SIGINT): stopped at once") and
+               "did not stop by itself within 3 s" in line and  # the watchdog ended it
                "(rank 0 on " in line for line in errors), (seconds, output[-3000:])
     assert "SIGKILL" not in output, output[-3000:]
     assert alive(everyone) == []
