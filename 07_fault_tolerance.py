@@ -134,6 +134,7 @@ def main():
     stop = fault_tolerance.StopRequest()  # before the (slow) setup: a signal may come any time
     use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
     run = common.setup_distributed(args)  # step 02's setup(), now shared
+    fault_tolerance.claim_out_dir(args.out_dir, run)  # one run at a time in an --out-dir
     nodes = report_topology(run)
     # One download per node (its local rank 0): each node may have its own disk. On a shared
     # filesystem the downloads land in temporary folders and are renamed into place, so two
@@ -168,10 +169,10 @@ def main():
     settings = fault_tolerance.run_settings(__file__, args, plan, train_set)  # what this run is
     # Any rank restarted: all resume (an agent restarted only because another node failed
     # does not count that restart), from this run's own checkpoint only: another run's, left in
-    # the same --out-dir, is not adopted. A fresh run starts fresh.
-    if args.resume is None and common.all_ranks_agree(run, fault_tolerance.restarted(),
-                                                           any_rank=True):
-        args.resume = fault_tolerance.own_checkpoint(latest, settings, run)
+    # the same --out-dir, is not adopted. --resume is for the first attempt: a restart continues
+    # from what this run saved since, if it did. A fresh run starts fresh, or from --resume.
+    if common.all_ranks_agree(run, fault_tolerance.restarted(), any_rank=True):
+        args.resume = fault_tolerance.own_checkpoint(latest, settings, run) or args.resume
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
         saved = checkpoint.restore(args.resume, run, raw_model, optimizer, scheduler,

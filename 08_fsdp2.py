@@ -169,6 +169,7 @@ def main():
         common.log(run, "note: --mixed-precision needs a GPU with native bf16; training in "
                         "float32")
         args.mixed_precision = False
+    fault_tolerance.claim_out_dir(args.out_dir, run)  # one run at a time in an --out-dir
     nodes = report_topology(run)
     # One download per node (its local rank 0): each node may have its own disk. On a shared
     # filesystem the downloads land in temporary folders and are renamed into place, so two
@@ -208,10 +209,10 @@ def main():
     settings = fault_tolerance.run_settings(__file__, args, plan, train_set)  # what this run is
     # Any rank restarted: all resume (an agent restarted only because another node failed
     # does not count that restart), from this run's own checkpoint only: another run's, left in
-    # the same --out-dir, is not adopted. A fresh run starts fresh.
-    if args.resume is None and common.all_ranks_agree(run, fault_tolerance.restarted(),
-                                                           any_rank=True):
-        args.resume = fault_tolerance.own_checkpoint(latest, settings, run)
+    # the same --out-dir, is not adopted. --resume is for the first attempt: a restart continues
+    # from what this run saved since, if it did. A fresh run starts fresh, or from --resume.
+    if common.all_ranks_agree(run, fault_tolerance.restarted(), any_rank=True):
+        args.resume = fault_tolerance.own_checkpoint(latest, settings, run) or args.resume
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
         saved = sharded.restore(args.resume, run, model, optimizer, scheduler)

@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from . import checkpoint, data
-from .errors import STOP_SIGNALS, Interrupted, UserError
+from .errors import STOP_SIGNALS, UserError, interrupt
 from .ranks import log
 
 EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
@@ -67,9 +68,9 @@ class StopRequest:
         if self.requested:
             if time.monotonic() - self.requested_at < self.REPEAT_AFTER_S:
                 return  # the same request, delivered twice
-            raise Interrupted(signum, f"a second stop signal ({name} after {self.requested})")
+            raise interrupt(signum, f"a second stop signal ({name} after {self.requested})")
         if not self.steps:
-            raise Interrupted(signum, f"{name} before the first training step")
+            raise interrupt(signum, f"{name} before the first training step")
         self.requested, self.requested_at = name, time.monotonic()
 
     @property
@@ -139,13 +140,49 @@ def own_checkpoint(latest: Path, settings: dict, run) -> Path | None:
 
 
 def adopted(latest: Path, saved: dict | None, settings: dict, run) -> Path | None:
-    """`latest` if the settings `saved` with it are this run's; else None, and a line why."""
+    """`latest` if the settings `saved` with it are this run's; else None, and a line why (and
+    what then happens to it: this run's first save replaces it, as a fresh run's does)."""
     differ = differences(saved, settings, settings)
     if differ:
         log(run, f"not resuming from {latest}: another run wrote it ({', '.join(differ)}); "
-                 f"starting afresh")
+                 f"starting afresh: this run's first checkpoint replaces it")
         return None
     return latest
+
+
+_out_dir_lock = None  # held open for the life of the process: closing it would unlock
+
+
+def claim_out_dir(out_dir: Path, run) -> None:
+    """One run at a time in an --out-dir: two runs at once would replace each other's
+    checkpoints, and a restart of one could continue from the other's. Rank 0 holds an
+    exclusive lock on <out-dir>/.lock (a POSIX lock: over NFS too) for as long as it lives; the
+    kernel releases it when the process ends, however it ends, so a restart or a requeue is
+    never locked out. A second run is refused, on every rank, in one line naming the first.
+    (Where the filesystem has no locks, some Lustre mounts, nothing is checked.)"""
+    global _out_dir_lock
+    holder = None
+    if run.is_main:
+        try:
+            import fcntl  # (POSIX)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            _out_dir_lock = open(out_dir / ".lock", "a+")
+            try:  # (a POSIX lock: a forked DataLoader worker does not inherit it)
+                fcntl.lockf(_out_dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _out_dir_lock.truncate(0)
+                _out_dir_lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+                _out_dir_lock.flush()
+            except (BlockingIOError, PermissionError):  # (EAGAIN or EACCES: held)
+                _out_dir_lock.seek(0)
+                holder = _out_dir_lock.read().strip() or "a process"
+        except (ImportError, OSError):
+            pass  # no locks here, or no --out-dir yet: writing there will say why
+    said = [holder]
+    dist.broadcast_object_list(said, src=0)
+    if said[0]:
+        raise UserError(f"--out-dir {out_dir} is in use by another run ({said[0]}): two runs "
+                        f"in one --out-dir would replace each other's checkpoints. Give each "
+                        f"run its own --out-dir")
 
 
 def check_same_sample_order(saved: dict, settings: dict, path: Path) -> None:

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.futures import Future
 
 from . import checkpoint, step07_fault_tolerance as fault_tolerance
-from .errors import UserError, first_line
+from .errors import Interrupted, PeerFailure, UserError, first_line
 from .model import build_model
 from .ranks import log
 from .schedule import LRSchedule
@@ -168,6 +168,7 @@ def one_line_errors(folder: Path):
     try:
         yield
     except CheckpointException as err:
+        raise_interrupts(err)
         cause = first_failure(err)
         if isinstance(cause, UnreadableFile):  # read, but not as a checkpoint's file
             path, reason = cause.args
@@ -180,6 +181,20 @@ def one_line_errors(folder: Path):
                         ) from None
 
 
+def raise_interrupts(err: CheckpointException) -> None:
+    """A signal that interrupted a rank during dcp.load ends the run as that signal does, not as
+    a checkpoint that does not fit: DCP catches every exception, KeyboardInterrupt too, and
+    sends it to every rank. The rank that got the signal raises it again; the others name it."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    interrupted = {rank: failure[0] for rank, failure in err.failures.items()
+                   if isinstance(failure[0], (KeyboardInterrupt, Interrupted))}
+    if me in interrupted:
+        raise interrupted[me] from None
+    for rank, signal in interrupted.items():
+        why = str(signal) or "interrupted (SIGINT)"  # (a KeyboardInterrupt says nothing)
+        raise PeerFailure(f"rank {rank} was interrupted while it loaded the checkpoint ({why})")
+
+
 def load(state: dict, folder: Path) -> None:
     """dcp.load into `state` (in place), as step 09 calls it."""
     with one_line_errors(folder):
@@ -188,22 +203,35 @@ def load(state: dict, folder: Path) -> None:
 
 def rng_state(folder: Path, run) -> dict | None:
     """This rank's random state as the checkpoint saved it, when the checkpoint was written by as
-    many ranks as this run has; otherwise None (the streams of another world size differ)."""
+    many ranks as this run has; otherwise None (the streams of another world size differ).
+    Every rank reads its own file, so every rank learns whether all could: a rank whose file
+    is damaged would otherwise leave the others waiting in the next collective until
+    --timeout. All stop with the first damaged file's line (exit 2)."""
     saved = sorted(folder.glob("rng-rank*.pt"))
     if len(saved) != run.world_size:
         log(run, f"note: the checkpoint was written by {len(saved)} ranks, this run has "
                  f"{run.world_size}: random streams restart from the seed")
         return None
     path = folder / f"rng-rank{run.rank}.pt"
+    state, failed = None, None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # to the CPU: see 07
+        if not (isinstance(state, dict) and torch.is_tensor(state.get("cpu"))
+                and state["cpu"].dtype == torch.uint8):
+            failed = (f"{path} is damaged or is not a random state; not loading it (a "
+                      f"{type(state).__name__} without a CPU random state)")
     except Exception as err:  # noqa: BLE001 -- not plain data, empty, truncated, ...
-        raise UserError(f"{path} is damaged or is not a random state; not loading it "
-                        f"({why(err)})") from None
-    problem = checkpoint.rng_problem(state)  # 07's check: a state torch can set
+        failed = f"{path} is damaged or is not a random state; not loading it ({why(err)})"
+    problem = None if failed else checkpoint.rng_problem(state)  # 07's check: torch can set it
     if problem:
-        raise UserError(f"{path} is damaged or is not a random state; not loading it "
-                        f"({problem})")
+        failed = f"{path} is damaged or is not a random state; not loading it ({problem})"
+    everyone = [failed]
+    if dist.is_initialized():
+        everyone = [None] * run.world_size
+        dist.all_gather_object(everyone, failed)
+    failed = next((reason for reason in everyone if reason), None)
+    if failed:
+        raise UserError(failed)
     return state
 
 

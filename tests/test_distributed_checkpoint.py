@@ -10,7 +10,11 @@ import io
 import os
 import pickle
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, read_summary, run_step
+from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, base_env,
+                      read_summary, run_step, torchrun_cmd)
 from plumbing import step09_dcp_checkpoint as dcp_checkpoint
 from plumbing.errors import UserError
 from plumbing.model import Net
@@ -225,3 +230,62 @@ def test_an_empty_cut_or_foreign_random_state_file_is_one_line(runs, tmp_path, d
                                         f"loading it {expected}") as error:
         dcp_checkpoint.rng_state(tmp_path, type("Run", (), {"world_size": 2, "rank": 1}))
     assert "\n" not in str(error.value)
+
+
+def with_a_stalled_shard(checkpoint: Path, folder: Path) -> Path:
+    """A copy of a real checkpoint whose rank-1 shard is a FIFO that nobody writes: opening it
+    blocks, as a file on a hung network filesystem does, so the load is where a signal lands."""
+    shutil.copytree(checkpoint.resolve(), folder)
+    (folder / "__1_0.distcp").unlink()
+    os.mkfifo(folder / "__1_0.distcp")
+    return folder
+
+
+def signal_while_it_loads(cmd, out: Path, signum) -> tuple[int, str]:
+    """Start cmd; once a process of it waits for the stalled shard (its kernel wait channel is
+    a FIFO's), send `signum` to cmd's process (torchrun forwards it to every rank). Returns the
+    exit code and the output."""
+    out.mkdir()
+    with open(out / "output.txt", "w+") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=log, stderr=log)
+        deadline = time.monotonic() + 120  # a hang guard
+        while not any(Path(f"/proc/{pid}/wchan").read_text() == "wait_for_partner"
+                      for pid in [proc.pid, *subprocess.run(
+                          ["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
+                          text=True).stdout.split()] if Path(f"/proc/{pid}").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read()
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"still running 120 s after the signal:\n{log.read()}")
+        log.seek(0)
+        return proc.returncode, log.read()
+
+
+def test_a_signal_during_the_checkpoint_load_ends_the_run_as_that_signal(runs, tmp_path):
+    """DCP catches every exception on a rank, KeyboardInterrupt too, and sends it to every rank
+    by pickle. A SIGTERM during the load (SLURM's preemption lands exactly there in a requeued
+    job) was `TypeError: Interrupted.__init__()` on every rank (exit 1), a Ctrl-C "checkpoint
+    ... does not fit this model" (exit 2), in export too. Now the signal's own line and exit
+    code, and every rank ends by itself."""
+    stalled = with_a_stalled_shard(runs["straight"]["out"] / "checkpoint", tmp_path / "stalled")
+    code, output = signal_while_it_loads(
+        [sys.executable, STEP, "export", "--resume", str(stalled), "--out-dir",
+         str(tmp_path / "export")], tmp_path / "export", signal.SIGINT)
+    assert (code, output.strip()) == (130, "error: interrupted (SIGINT): stopped at once, "
+                                           "without a checkpoint (the last one saved is kept)")
+    code, output = signal_while_it_loads(
+        torchrun_cmd(2, STEP, "--data", "synthetic", "--train-samples", 96, "--batch-size", 48,
+                     "--quiet", "--resume", stalled, "--out-dir", tmp_path / "two"),
+        tmp_path / "two", signal.SIGTERM)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(  # the same line from both: once
+        "error: SIGTERM before the first training step: stopped at once"), output[-3000:]
+    assert "SIGKILL" not in output, output[-3000:]  # every rank ended by itself
+    assert "TypeError" not in output and "does not fit" not in output, output[-3000:]
+    ours = [line for line in output.splitlines()
+            if line.strip().startswith("File ") and str(REPO) in line]
+    assert not ours, output[-3000:]  # (torchrun, sent a SIGTERM, prints its own traceback)

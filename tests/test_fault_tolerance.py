@@ -8,7 +8,9 @@ One uninterrupted run is the reference; a run with a rank killed mid-epoch under
 
 import re
 import signal
+import socket
 import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ from plumbing import step07_fault_tolerance as fault_tolerance
 from plumbing import step09_dcp_checkpoint as dcp_checkpoint
 from conftest import (REPO, RESTART_ARGS, base_env, max_difference, rank_params, read_summary,
                       run_step, saved_checkpoint, torchrun_cmd)
+from conftest import launch as launch_cmd
 
 # Where torchrun runs with --max-restarts: a restarted group must meet at a fresh store.
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": 1}
@@ -93,14 +96,24 @@ def test_a_fresh_run_ignores_an_old_checkpoint(uninterrupted, args, tmp_path):
 
 
 def test_restarts_without_a_fresh_store_are_refused_before_training(args, tmp_path):
-    proc = run_step("07_fault_tolerance.py", [*args, "--out-dir", tmp_path], nproc=2,
-                    torchrun_extra=("--max-restarts", "1"), check=False)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    # torchrun restarts a failed group whatever the cause: one line per attempt, the same one
-    # (printed by whichever rank of the attempt was first to say it: see errors.report).
-    errors = [re.sub(r" \(rank \d+ on \S+\)$", "", line) for line in errors]
-    assert len(errors) == 2 and errors[0] == errors[1], proc.stderr
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in errors[0]
+    """Refused in one line per attempt, also when the same command runs again: a static launch
+    (no --standalone, a fixed port) sets the same TORCHELASTIC_RUN_ID ("none") and port each
+    time, and the once-per-launch marker keyed on them kept every rank of the second launch
+    silent (issue 39)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-port", str(port), "--max-restarts", "1", "07_fault_tolerance.py",
+           *map(str, args), "--out-dir", str(tmp_path)]
+    for launch in range(2):
+        proc = launch_cmd(cmd, check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        # torchrun restarts a failed group whatever the cause: one line per attempt, the same
+        # one (printed by whichever rank of the attempt was first to say it: errors.report).
+        errors = [re.sub(r" \(rank \d+ on \S+\)$", "", line) for line in errors]
+        assert len(errors) == 2 and errors[0] == errors[1], (launch, proc.stderr)
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in errors[0]
     assert not (tmp_path / "checkpoint.pt").exists()
 
 

@@ -3,7 +3,9 @@ with a DataLoader worker (the case that hung: its workers ignore SIGTERM, and Py
 joined them forever).
 
 - Ctrl-C (SIGINT) to the main process only (`kill -INT`, an IDE's stop button): exit 130 in
-  seconds, one line, no traceback, no worker left; under torchrun too.
+  seconds, one line, no traceback, no worker left; under torchrun too, also while a peer is
+  stalled and this rank waits in a collective (where Python runs no signal handler).
+- A second run in the same --out-dir meanwhile is refused (issue 39).
 - A stop signal before the first step, or a second one: the process ends at once (128 + signal).
 - Every signal torchrun can forward (--signals-to-handle) that is not SIGINT is a stop request:
   a checkpoint, then exit 75.
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,6 +101,15 @@ def python_step(tmp_path, **env):
 def test_ctrl_c_to_the_main_process_ends_the_run_and_its_workers(tmp_path):
     proc = python_step(tmp_path)
     wait_for(tmp_path / "checkpoint.pt", proc)  # training, with its worker running
+    # Meanwhile a second run in the same --out-dir is refused, before it trains or writes.
+    saved = (tmp_path / "checkpoint.pt").stat().st_mtime_ns
+    second = subprocess.run([sys.executable, STEP, *map(str, ARGS), "--out-dir", tmp_path],
+                            cwd=REPO, env=base_env(), capture_output=True, text=True,
+                            timeout=GUARD_S)
+    assert second.returncode == 2, second.stderr[-3000:]
+    one_error_line(second.stderr, f"--out-dir {tmp_path} is in use by another run (process "
+                                  f"{proc.pid} on ")
+    assert proc.poll() is None and (tmp_path / "checkpoint.pt").stat().st_mtime_ns >= saved
     workers = descendants(proc.pid)
     assert workers, "no DataLoader worker to test with"
     proc.send_signal(signal.SIGINT)  # to the main process alone, as `kill -INT` does
@@ -148,23 +160,49 @@ def test_a_stop_signal_before_the_first_step_ends_the_process_at_once(tmp_path):
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
-def test_ctrl_c_to_one_rank_under_torchrun_ends_every_rank_in_seconds(tmp_path):
-    """kill -INT to rank 1's process only: rank 1 exits 130; torchrun then stops rank 0 (which
-    notices its lost peer), before its --shutdown-timeout would SIGKILL anyone."""
-    cmd = torchrun_cmd(2, STEP, *ARGS, "--out-dir", tmp_path)
+def rank_pids(agent) -> dict[int, int]:
+    """{rank: pid} of torchrun's workers (their RANK variable)."""
+    ranks = {}
+    for pid in subprocess.run(["ps", "-o", "pid=", "--ppid", str(agent.pid)],
+                              capture_output=True, text=True).stdout.split():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        ranks[int(env[b"RANK"])] = int(pid)
+    return ranks
+
+
+@pytest.mark.parametrize("ctrl_c_to", ["rank 0", "torchrun"])
+def test_ctrl_c_while_a_peer_is_stalled_ends_the_run_in_seconds(tmp_path, ctrl_c_to):
+    """Rank 1 stalls (SIGSTOP: as a rank stuck in I/O or on a hung device would), so rank 0
+    waits in a gloo collective, where Python runs no signal handler until --timeout (600 s
+    here, the default). A Ctrl-C to rank 0 alone (`kill -INT`), or a terminal's Ctrl-C, which
+    reaches torchrun (torch 2.15 starts every rank in a session of its own) and which torchrun
+    forwards to every rank, must end rank 0 in seconds with its own line: its watchdog thread
+    does (errors.watch_signals). Rank 1 then resumes and ends by itself (exit 3: its peer is
+    gone, or 130: its own Ctrl-C); nobody waits for torchrun's SIGKILL."""
+    cmd = torchrun_cmd(2, STEP, *ARGS, "--timeout", 600, "--out-dir", tmp_path)
     agent = start(cmd, tmp_path)
     wait_for(tmp_path / "checkpoint.pt", agent)
     everyone = descendants(agent.pid)
-    ranks = subprocess.run(["ps", "-o", "pid=", "--ppid", str(agent.pid)], capture_output=True,
-                           text=True).stdout.split()
-    rank1 = next(int(pid) for pid in ranks
-                 if b"RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read())
-    os.kill(rank1, signal.SIGINT)
+    ranks = rank_pids(agent)
+    os.kill(ranks[1], signal.SIGSTOP)
+    time.sleep(1)  # rank 0 reaches its next collective and waits there (in C: a futex)
+    while "futex" not in Path(f"/proc/{ranks[0]}/wchan").read_text():
+        assert agent.poll() is None, read(agent)
+        time.sleep(0.05)
+    os.kill(ranks[0] if ctrl_c_to == "rank 0" else agent.pid, signal.SIGINT)
+    sent = time.monotonic()
+    while alive([ranks[0]]):
+        assert time.monotonic() - sent < GUARD_S, f"rank 0 still waits:\n{read(agent)}"
+        time.sleep(0.05)
+    seconds = time.monotonic() - sent
+    os.kill(ranks[1], signal.SIGCONT)
     output = finish(agent)
     assert agent.returncode != 0
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert any("interrupted (SIGINT)" in line and "(rank 1 on " in line for line in errors), \
-        output[-3000:]
+    assert any(line.startswith("error: interrupted (SIGINT): stopped at once") and
+               "did not stop by itself within 3 s" in line and  # the watchdog ended it
+               "(rank 0 on " in line for line in errors), (seconds, output[-3000:])
     assert "SIGKILL" not in output, output[-3000:]
     assert alive(everyone) == []
     checkpoint.load(tmp_path / "checkpoint.pt")

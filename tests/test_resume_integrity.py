@@ -70,8 +70,17 @@ def assert_refused_naming_seed_and_batch(proc) -> None:
 
 def test_a_mid_epoch_resume_on_another_world_size_trains_every_sample_once(stopped, args,
                                                                             tmp_path):
-    proc = run_step(STEP, [*args, "--resume", stopped / "checkpoint.pt", "--out-dir", tmp_path],
-                    probe_dir=tmp_path / "probe")
+    """Resumed as a requeued job would be (issue 39): started with --resume pointing at an
+    older checkpoint (here the same run after epoch 0), it has saved the stopped checkpoint
+    in its --out-dir since. --resume is for the first attempt: the requeue continues from its
+    own newer checkpoint, not from --resume (which redid the work, on every requeue)."""
+    shutil.copy(stopped / "checkpoint.pt", tmp_path / "checkpoint.pt")
+    older = {key: value for key, value in checkpoint.load(stopped / "checkpoint.pt").items()
+             if key not in ("position", "rng")}
+    torch.save({**older, "epoch": 0}, tmp_path / "started-from.pt")
+    proc = run_step(STEP, [*args, "--resume", tmp_path / "started-from.pt",
+                           "--out-dir", tmp_path], probe_dir=tmp_path / "probe",
+                    env_extra={"SLURM_RESTART_COUNT": 1})
     step = checkpoint.load(stopped / "checkpoint.pt")["position"]["step"]
     assert f"resumed at step {step} of epoch 1" in proc.stdout
     before = trained(stopped / "probe", 0) + trained(stopped / "probe", 1)
@@ -98,6 +107,7 @@ def test_a_restart_does_not_adopt_another_runs_checkpoint(stopped, args, tmp_pat
     assert "resumed" not in proc.stdout
     assert "another run wrote it" in proc.stdout and "seed 0 -> 1" in proc.stdout, proc.stdout
     assert "train_samples 480 -> 240" in proc.stdout
+    assert "this run's first checkpoint replaces it" in proc.stdout, proc.stdout
     mine = checkpoint.load(tmp_path / "checkpoint.pt")
     assert mine["epoch"] == 1 and mine["run"]["seed"] == 1 and mine["run"]["train_samples"] == 240
 
@@ -150,3 +160,19 @@ def test_09_a_restart_does_not_adopt_another_runs_checkpoint(stopped_09, args, t
     mine = json.loads((tmp_path / "checkpoint" / "run.json").read_text())
     assert mine["seed"] == 1 and mine["train_samples"] == 240
     assert os.readlink(tmp_path / "checkpoint") == "checkpoint-epoch1-end"
+
+
+def test_09_a_damaged_random_state_of_one_rank_stops_every_rank(stopped_09, args, tmp_path):
+    """Each rank reads its own rng-rank<R>.pt. Rank 1's was damaged: rank 1 stopped, and rank 0
+    went on into the next collective and waited there until killed (issue 39). Now every rank
+    learns it, and all stop with rank 1's line (once per machine), exit 2."""
+    stopped, _ = stopped_09
+    folder = shutil.copytree((stopped / "checkpoint").resolve(), tmp_path / "damaged")
+    (folder / "rng-rank1.pt").write_bytes(b"")
+    proc = run_step(STEP_09, [*args, "--resume", folder, "--out-dir", tmp_path / "out"],
+                    nproc=2, check=False, timeout=120)  # (a hang guard: --timeout is 600 s)
+    assert_no_traceback(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert f"{folder / 'rng-rank1.pt'} is damaged or is not a random state" in errors[0]
+    assert "exitcode: 2" in proc.stderr and "SIGKILL" not in proc.stderr, proc.stderr[-3000:]
