@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, base_env,
-                      read_summary, run_step, torchrun_cmd)
+                      frames_of_ours, read_summary, run_step, torchrun_cmd)
 from plumbing import step09_dcp_checkpoint as dcp_checkpoint
 from plumbing.errors import UserError
 from plumbing.model import Net
@@ -286,6 +286,5 @@ def test_a_signal_during_the_checkpoint_load_ends_the_run_as_that_signal(runs, t
         "error: SIGTERM before the first training step: stopped at once"), output[-3000:]
     assert "SIGKILL" not in output, output[-3000:]  # every rank ended by itself
     assert "TypeError" not in output and "does not fit" not in output, output[-3000:]
-    ours = [line for line in output.splitlines()
-            if line.strip().startswith("File ") and str(REPO) in line]
-    assert not ours, output[-3000:]  # (torchrun, sent a SIGTERM, prints its own traceback)
+    # (torchrun, sent a SIGTERM, prints its own traceback)
+    assert not frames_of_ours(output), output[-3000:]
