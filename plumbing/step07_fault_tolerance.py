@@ -150,31 +150,21 @@ def adopted(latest: Path, saved: dict | None, settings: dict, run) -> Path | Non
     return latest
 
 
-_out_dir_lock = None  # held open for the life of the process: closing it would unlock
+_out_dir_lock = None  # the lock's descriptor, open for the life of the process: closing unlocks
 
 
 def claim_out_dir(out_dir: Path, run) -> None:
     """One run at a time in an --out-dir: two runs at once would replace each other's
     checkpoints, and a restart of one could continue from the other's. Rank 0 holds an
-    exclusive lock on <out-dir>/.lock (a POSIX lock: over NFS too) for as long as it lives; the
-    kernel releases it when the process ends, however it ends, so a restart or a requeue is
-    never locked out. A second run is refused, on every rank, in one line naming the first.
+    exclusive lock on <out-dir>/.lock for as long as it lives; the kernel releases it when the
+    process ends, however it ends, so a restart or a requeue is never locked out. A second run
+    is refused, on every rank, in one line naming the first.
     (Where the filesystem has no locks, some Lustre mounts, nothing is checked.)"""
-    global _out_dir_lock
     holder = None
     if run.is_main:
         try:
-            import fcntl  # (POSIX)
             out_dir.mkdir(parents=True, exist_ok=True)
-            _out_dir_lock = open(out_dir / ".lock", "a+")
-            try:  # (a POSIX lock: a forked DataLoader worker does not inherit it)
-                fcntl.lockf(_out_dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                _out_dir_lock.truncate(0)
-                _out_dir_lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-                _out_dir_lock.flush()
-            except (BlockingIOError, PermissionError):  # (EAGAIN or EACCES: held)
-                _out_dir_lock.seek(0)
-                holder = _out_dir_lock.read().strip() or "a process"
+            holder = lock_for_life(out_dir / ".lock")
         except (ImportError, OSError):
             pass  # no locks here, or no --out-dir yet: writing there will say why
     said = [holder]
@@ -183,6 +173,35 @@ def claim_out_dir(out_dir: Path, run) -> None:
         raise UserError(f"--out-dir {out_dir} is in use by another run ({said[0]}): two runs "
                         f"in one --out-dir would replace each other's checkpoints. Give each "
                         f"run its own --out-dir")
+
+
+def lock_for_life(path: Path) -> str | None:
+    """Lock `path` until this process ends; None, or the holder's line if another has it.
+
+    A flock on a read-only descriptor: one open for writing would keep the filesystem from
+    being remounted read-only (mount says "busy"). NFS emulates flock with POSIX locks, which
+    need a writable descriptor: there, lockf on one. Forked children (DataLoader workers)
+    close their copy: a worker that outlives a killed rank 0 by a second must not hold the
+    lock against its restart."""
+    import fcntl  # (POSIX)
+    global _out_dir_lock
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise
+        except OSError:  # EBADF: flock emulated by POSIX locks (NFS)
+            os.close(fd)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # (EAGAIN or EACCES: held)
+        os.close(fd)
+        return path.read_text().strip() or "a process"
+    _out_dir_lock = fd
+    os.register_at_fork(after_in_child=lambda: os.close(fd))
+    path.write_text(f"process {os.getpid()} on {socket.gethostname()}\n")  # (closed again)
+    return None
 
 
 def check_same_sample_order(saved: dict, settings: dict, path: Path) -> None:

@@ -139,7 +139,7 @@ def test_an_empty_or_cut_checkpoint_is_one_clear_error(tmp_path, content):
     ({"position": {"step": 4, "loss_sum": float("nan"), "samples": 96}}, "its 'position' is"),
     ({"position": {"step": -1, "loss_sum": 0.0, "samples": 0}}, "its 'position' is"),
     ({"position": [4, 0.0, 96]}, "its 'position' is"),
-    ({"rng": [{"cpu": torch.zeros(3)}]}, "its 'rng' is not a list of random states"),
+    ({"rng": [{"cpu": torch.zeros(3)}]}, "the random state of rank 0 is not one torch can set"),
     ({"rng": "state"}, "its 'rng' is not a list of random states"),
 ])
 def test_a_step_07_checkpoint_with_a_damaged_position_is_one_clear_error(tmp_path, extra,
