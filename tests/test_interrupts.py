@@ -186,9 +186,15 @@ def test_ctrl_c_while_a_peer_is_stalled_ends_the_run_in_seconds(tmp_path, ctrl_c
     everyone = descendants(agent.pid)
     ranks = rank_pids(agent)
     os.kill(ranks[1], signal.SIGSTOP)
-    time.sleep(1)  # rank 0 reaches its next collective and waits there (in C: a futex)
-    while "futex" not in Path(f"/proc/{ranks[0]}/wchan").read_text():
+    # Rank 0 reaches its next collective and waits there, in C, on a futex: for good, where a
+    # wait for the GIL or a lock is a futex for a moment (so the test waits for 2 s of it).
+    waiting_since = None
+    while waiting_since is None or time.monotonic() - waiting_since < 2:
         assert agent.poll() is None, read(agent)
+        if "futex" not in Path(f"/proc/{ranks[0]}/wchan").read_text():
+            waiting_since = None
+        elif waiting_since is None:
+            waiting_since = time.monotonic()
         time.sleep(0.05)
     os.kill(ranks[0] if ctrl_c_to == "rank 0" else agent.pid, signal.SIGINT)
     sent = time.monotonic()
