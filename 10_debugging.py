@@ -199,7 +199,9 @@ def report_failure(err, run, args, progress, watcher) -> None:
     """A collective raised: say what each tool found, then one diagnosis line; never returns
     (a gloo group whose collective failed cannot be destroyed cleanly: leave at once)."""
     watcher.stop(publish_last_state=False)
-    state = rank_state(run, progress, err)
+    if debug.store().check([debug.REPORTED]):  # the diagnosis is out and its reporter gone:
+        os._exit(EXIT_HANG)  # this rank's error ("closed by peer") is that, not news
+    state = debug.as_it_waited(watcher.stuck, rank_state(run, progress, err))
     # Which tool spoke: DETAIL's checks (on `checked`), or the backend itself (gloo, nccl).
     from_detail = state["detail"] or state["absent"] or "monitoredBarrier" in (state["error"] or "")
     tool = "TORCH_DISTRIBUTED_DEBUG=DETAIL" if from_detail else run.backend

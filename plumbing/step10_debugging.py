@@ -113,11 +113,18 @@ def last_collectives(record: dict) -> dict[str, dict]:
 
 
 def pending_collective(record: dict) -> dict | None:
-    """The collective this rank entered and never completed (retired False), if any."""
+    """The collectives this rank entered and never completed (retired False) on the group of
+    the newest of them, as one with its group's name: DDP queues one all-reduce per bucket,
+    so a rank waits in several at once ("#15-16"). None if it waits in none."""
     names = group_names(record)
-    waiting = [collective(e) for e in record.get("entries", [])
-               if e["pg_id"] in names and not e["retired"]]
-    return waiting[-1] if waiting else None
+    waiting = [e for e in record.get("entries", []) if e["pg_id"] in names and not e["retired"]]
+    if not waiting:
+        return None
+    group = waiting[-1]["pg_id"]
+    first = next(e for e in waiting if e["pg_id"] == group)["collective_seq_id"]
+    newest = collective(waiting[-1])
+    seq = newest["seq"] if first == newest["seq"] else f"{first}-{newest['seq']}"
+    return {**newest, "seq": seq, "group": names[group]}
 
 
 def where(frames, script: str) -> str:
@@ -233,21 +240,24 @@ class Watcher(threading.Thread):
         super().__init__(name="debug10-watcher", daemon=True)
         self.rank, self.state, self.script = rank, state, script
         self.notice_after, self.stopping = notice_after, threading.Event()
+        self.stuck = None  # the state taken once the main thread had waited notice_after s
 
     def run(self):
-        line, since, noticed = None, time.monotonic(), False
+        line, since, taken, noticed = None, time.monotonic(), False, False
         while not self.stopping.wait(POLL_SECONDS):
             if store().check([REQUEST]):
-                publish(self.rank, self.state())
+                publish(self.rank, as_it_waited(self.stuck, self.state()))
                 return
             stack = main_thread_stack()
             if where(stack, self.script) != line or not waiting_in_torch(stack):
-                line, since = where(stack, self.script), time.monotonic()
-            elif not noticed and time.monotonic() - since > self.notice_after:
-                noticed = True  # a hang in progress: the outside view, once
-                print(f"[py-spy] rank {self.rank} (pid {os.getpid()}) has waited "
-                      f"{self.notice_after:g} s at {line}; py-spy dump --pid {os.getpid()}: "
-                      f"{py_spy(os.getpid(), self.script)}", flush=True)
+                line, since, taken = where(stack, self.script), time.monotonic(), False
+            elif not taken and time.monotonic() - since > self.notice_after:
+                taken, self.stuck = True, self.state()  # its record while it waits
+                if not noticed:  # a hang in progress: the outside view, once
+                    noticed = True
+                    print(f"[py-spy] rank {self.rank} (pid {os.getpid()}) has waited "
+                          f"{self.notice_after:g} s at {line}; py-spy dump --pid "
+                          f"{os.getpid()}: {py_spy(os.getpid(), self.script)}", flush=True)
 
     def stop(self, publish_last_state: bool = True):
         """End the thread; leave this rank's last state in the store for any rank still
@@ -256,6 +266,17 @@ class Watcher(threading.Thread):
         self.join()
         if publish_last_state:
             publish(self.rank, self.state())
+
+
+def as_it_waited(stuck: dict | None, now: dict) -> dict:
+    """`now`, with the Flight Recorder view of `stuck` when both are the same wait (same step,
+    same line). Why: gloo marks a collective completed once it has failed (measured, torch
+    2.15), so a record read after this rank's own timeout shows it in no collective, and one
+    read before shows it waiting. Which comes first, the report or this rank's timeout, is a
+    race; the record of the wait itself reads the same either way."""
+    if stuck is None or (stuck["steps"], stuck["where"]) != (now["steps"], now["where"]):
+        return now
+    return {**now, **{key: stuck[key] for key in ("record", "last", "pending")}}
 
 
 # ---------------------------------------------------------------- the optional outside view
@@ -331,15 +352,18 @@ def who_is_behind(states: dict):
 
 
 def missed_collective(states: dict, behind: int, ahead: int) -> str:
-    """The collective the rank ahead waits in: its own record of it, else (when gloo did
-    not mark it pending) the ones on DDP's group that only the rank ahead holds."""
+    """The collective the rank ahead waits in: its own record of it, else (when its record
+    was read after gloo had marked it completed) the ones on DDP's group that only the rank
+    ahead holds."""
     missed = pending(states[ahead])
     newest = states[ahead]["last"].get("DDP's group")
     first = states[behind]["last"].get("DDP's group", {"seq": 0})["seq"] + 1
     if missed is None and newest and newest["seq"] >= first:
         numbers = f"#{first}" if first == newest["seq"] else f"#{first}-{newest['seq']}"
         return f"{numbers} {describe(newest).split(' ', 1)[1]} on DDP's group"
-    return describe(missed) if missed else "(none recorded)"
+    if missed is None:
+        return "(none recorded)"
+    return describe(missed) + (f" on {missed['group']}" if "group" in missed else "")
 
 
 def odd_one_out(ops: dict) -> str:

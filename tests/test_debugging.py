@@ -110,7 +110,7 @@ def test_the_sample_output_in_docs_is_what_the_step_prints(bug_runs):
     printed = bug_runs["skip", 2][1].stdout
     for line in sample.strip().splitlines():
         if line.startswith(("[Flight Recorder] rank", "diagnosis: ")):
-            assert line in printed, line
+            assert line in printed, f"{line}\nnot in what the step printed:\n{printed}"
     quoted = set(re.findall(r"10_debugging\.py:(\d+)", page))
     assert quoted and all(f"10_debugging.py:{n} in " in printed for n in quoted), quoted
 
@@ -175,6 +175,38 @@ def test_diagnosis_names_the_collectives_only_the_rank_ahead_holds():
         "rank 0 is behind (5 training steps, rank 1 took 6): it missed collective #15-16 "
         "all_reduce of [4] Float on DDP's group, which rank 1 waits in at a.py:7 in t; rank 0 "
         "is at a.py:5 in h")
+
+
+def test_a_rank_reads_the_same_whether_its_own_timeout_came_first_or_not():
+    """The race CI met: a rank published by its watcher while it waits (DDP's two bucket
+    all-reduces not retired) and the same rank after its timeout (gloo retired both) are the
+    same state once as_it_waited gives both the record of the wait: same lines, same diagnosis."""
+    def record(retired):
+        return {"entries": [entry(0, ("0", "default_pg"), seq=14),
+                            entry(0, ("0", "default_pg"), seq=15, retired=retired),
+                            entry(0, ("0", "default_pg"), seq=16, retired=retired)]}
+
+    def rank_state(retired, error):
+        r = record(retired)
+        return {"rank": 1, "steps": 6, "where": "a.py:7 in t", "record": r, "error": error,
+                "last": debug.last_collectives(r), "pending": debug.pending_collective(r),
+                "detail": None, "absent": []}
+
+    stuck = rank_state(retired=False, error=None)  # taken by the watcher while it waits
+    waiting = debug.as_it_waited(stuck, rank_state(retired=False, error=None))
+    failed = debug.as_it_waited(stuck, rank_state(retired=True, error="Timed out"))
+    assert failed["pending"] == waiting["pending"] and failed["last"] == waiting["last"]
+    assert debug.describe(failed["pending"]) == "#15-16 all_reduce of [2] Float"
+    behind = {"rank": 0, "steps": 5, "where": "a.py:5 in h", "record": {}, "detail": None,
+              "absent": [], "pending": None,
+              "last": {"DDP's group": debug.collective(entry(0, seq=14))}}
+    lines = {debug.diagnose({0: behind, 1: s}, 2) for s in (waiting, failed)}
+    assert lines == {"rank 0 is behind (5 training steps, rank 1 took 6): it missed collective "
+                     "#15-16 all_reduce of [2] Float on DDP's group, which rank 1 waits in at "
+                     "a.py:7 in t; rank 0 is at a.py:5 in h"}
+    # Another wait (a later step, or another line) keeps its own record.
+    later = rank_state(retired=True, error="Timed out") | {"steps": 7}
+    assert debug.as_it_waited(stuck, later) == later
 
 
 def test_diagnosis_at_4_ranks():
