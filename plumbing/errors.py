@@ -195,8 +195,11 @@ def _end_within(seconds: float, signum: int, why: str) -> None:
 
 
 def watch_signals() -> None:
-    """Start the watchdog (run_main does, from the main thread, before main())."""
+    """Start the watchdog (run_main does, from the main thread, before main()), once per
+    process: a test runs several steps' main() in one."""
     global _wakeup
+    if _wakeup is not None:
+        return
     reader, writer = _wakeup = socket.socketpair()  # (kept: a collected socket closes its fd)
     writer.setblocking(False)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
@@ -218,7 +221,10 @@ def _watch(reader: socket.socket) -> None:
         deadline = _ending.get("deadline")
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         if select.select([reader], [], [], timeout)[0]:
-            if signal.SIGINT in reader.recv(64):  # (its number, a byte per signal)
+            noted = reader.recv(64)  # a byte per signal, its number
+            if not noted:  # the writing end is closed: nothing will ever come (and select
+                return  # would return at once, for ever: a thread that spins)
+            if signal.SIGINT in noted:
                 _end_within(GRACE_S, signal.SIGINT, "interrupted (SIGINT)")
         elif deadline is not None:  # the main thread did not end the process in time
             say_interrupted(_ending["why"],

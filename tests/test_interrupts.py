@@ -238,3 +238,20 @@ def test_an_unexpected_exception_ends_the_process_with_its_message_and_its_worke
     assert proc.returncode == 1, output[-3000:]
     assert "RuntimeError: planted by tests/rank_probe.py" in output, output[-3000:]
     assert alive(workers) == []
+
+
+def test_the_watchdog_is_started_once_per_process_and_sleeps():
+    """Tests run several steps' main() in one process (tests/test_bad_input.py): each used to
+    start another watchdog, whose predecessor's wake-up socket was then closed, and a thread
+    waiting on a closed socket wakes at once, for ever. The pytest process spun ~60 of them,
+    a whole core of CI's two, for the rest of the session."""
+    probe = ("import threading, time\n"
+             "from plumbing import errors\n"
+             "errors.watch_signals(); errors.watch_signals()\n"
+             "start = time.process_time(); time.sleep(1)\n"
+             "print(sum(t.name == 'signal watchdog' for t in threading.enumerate()),\n"
+             "      time.process_time() - start)\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=base_env(), check=True,
+                         capture_output=True, text=True).stdout.split()
+    assert int(out[0]) == 1
+    assert float(out[1]) < 0.1  # CPU seconds in one second of sleep: a spinning thread takes ~1
