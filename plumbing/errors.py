@@ -241,7 +241,7 @@ def _watch(reader: socket.socket) -> None:
             if _ending["failed"]:
                 say_peer_failure(f"the group cannot go on because {_ending['failed']}; asked to "
                                  f"stop ({_ending['why']}), {not_by_itself} (blocked in a "
-                                 f"collective that cannot complete)")
+                                 f"collective that cannot complete, or in I/O)")
             else:
                 say_interrupted(_ending["why"], f"; {not_by_itself} (blocked in a collective "
                                                 f"by a stalled peer, or in I/O)")
