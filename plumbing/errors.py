@@ -55,13 +55,21 @@ class PeerFailure(Exception):
 
 # The process group's key-value store, once this rank joined (ranks.join_group): a rank that
 # fails leaves its message there, and a rank that then loses it can say who failed and why.
+# The signal watchdog reads it through a connection of its own (a clone): the main thread may
+# be blocked in a wait on the first one, and its timeout is the main thread's to set.
 _group_store = None
+_watch_store = None
 STORE_PREFIX = "ddp-tutorial"
 
 
 def remember_store(store) -> None:
-    global _group_store
+    global _group_store, _watch_store
     _group_store = store
+    try:
+        _watch_store = store.clone()
+        _watch_store.set_timeout(datetime.timedelta(seconds=2))
+    except Exception:  # noqa: BLE001 -- no second connection: the watchdog does without
+        _watch_store = None
 
 
 def leave_message(message: str) -> None:
@@ -75,17 +83,21 @@ def leave_message(message: str) -> None:
         pass
 
 
-def failed_peers() -> list[str]:
-    """`rank R: <its error>` for each other rank that left one in the store (see leave_message)."""
-    if _group_store is None:
+def failed_peers(store=None) -> list[str]:
+    """`rank R: <its error>` for each other rank that left one in the store (see leave_message).
+    From the main thread (the group's store, given 5 s), or the watchdog (its own, 2 s)."""
+    mine = store is None
+    store = _group_store if mine else store
+    if store is None:
         return []
     found = []
     try:
-        _group_store.set_timeout(datetime.timedelta(seconds=5))
+        if mine:
+            store.set_timeout(datetime.timedelta(seconds=5))
         for rank in range(launcher_world_size()):
             key = f"{STORE_PREFIX}/failed/{rank}"
-            if rank != launcher_rank() and _group_store.check([key]):
-                found.append(f"rank {rank}: {_group_store.get(key).decode()}")
+            if rank != launcher_rank() and store.check([key]):
+                found.append(f"rank {rank}: {store.get(key).decode()}")
     except Exception:  # noqa: BLE001 -- the store's host (rank 0 or the agent) is gone
         pass
     return found
@@ -175,23 +187,24 @@ def this_launch() -> str:
 # KeyboardInterrupt, to send it to every rank). But the C-level handler notes every signal at
 # once, in a file descriptor (signal.set_wakeup_fd): a watchdog thread reads it, and ends the
 # process when the main thread has not, GRACE_S after a Ctrl-C or after a handler's decision
-# to end now (interrupt()). Either way: one line, exit 128 + the signal's number.
+# to end now (interrupt()). Either way: one line, exit 128 + the signal's number. A stop signal
+# after a peer failed ends the rank the same way, exit 3 (see _end_if_a_peer_failed).
 GRACE_S = 3.0
-_ending: dict = {}  # deadline, signum, why, reported: the interrupt this process ends with
+_ending: dict = {}  # deadline, code, why, failed, reported: how this process ends
 _ending_lock = threading.Lock()
 _wakeup = None
 
 
 def interrupt(signum: int, why: str) -> Interrupted:
     """An Interrupted to raise (from a signal handler): the process ends within GRACE_S."""
-    _end_within(GRACE_S, signum, why)
+    _end_within(GRACE_S, 128 + signum, why)
     return Interrupted(signum, why)
 
 
-def _end_within(seconds: float, signum: int, why: str) -> None:
+def _end_within(seconds: float, code: int, why: str, failed: str = "") -> None:
     with _ending_lock:
-        if "deadline" not in _ending:  # the first interrupt is the one reported
-            _ending.update(deadline=time.monotonic() + seconds, signum=signum, why=why)
+        if "deadline" not in _ending:  # the first reason to end is the one reported
+            _ending.update(deadline=time.monotonic() + seconds, code=code, why=why, failed=failed)
 
 
 def watch_signals() -> None:
@@ -221,31 +234,67 @@ def _watch(reader: socket.socket) -> None:
         deadline = _ending.get("deadline")
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         if select.select([reader], [], [], timeout)[0]:
-            noted = reader.recv(64)  # a byte per signal, its number
-            if not noted:  # the writing end is closed: nothing will ever come (and select
+            received = reader.recv(64)  # a byte per signal, its number
+            if not received:  # the writing end is closed: nothing will ever come (and select
                 return  # would return at once, for ever: a thread that spins)
-            if signal.SIGINT in noted:
-                _end_within(GRACE_S, signal.SIGINT, "interrupted (SIGINT)")
+            if signal.SIGINT in received:
+                _end_within(GRACE_S, 128 + signal.SIGINT, "interrupted (SIGINT)")
+            elif any(signum in received for signum in STOP_SIGNALS):
+                _end_if_a_peer_failed(received)
         elif deadline is not None:  # the main thread did not end the process in time
-            say_interrupted(_ending["why"],
-                            f"; this rank did not stop by itself within {GRACE_S:g} s "
-                            f"(blocked in a collective by a stalled peer, or in I/O)")
+            not_by_itself = f"this rank did not stop by itself within {GRACE_S:g} s"
+            if _ending["failed"]:
+                say_peer_failure(f"the group cannot go on because {_ending['failed']}; asked to "
+                                 f"stop ({_ending['why']}), {not_by_itself} (blocked in a "
+                                 f"collective that cannot complete, or in I/O)")
+            else:
+                say_interrupted(_ending["why"], f"; {not_by_itself} (blocked in a collective "
+                                                f"by a stalled peer, or in I/O)")
             children = multiprocessing.active_children()
             for child in children:
                 child.kill()
             for child in children:
                 child.join(timeout=1)
-            exit_at_once(128 + _ending["signum"])
+            exit_at_once(_ending["code"])
+
+
+def _end_if_a_peer_failed(received: bytes) -> None:
+    """A stop signal is taken at the main thread's next vote (StopRequest in step 07), after the
+    collective it may be waiting in. When a peer already failed, that collective can never
+    complete, and gloo does not always raise when the peer's connections close: a rank stopped
+    (SIGSTOP) in DDP's backward and resumed after its peer died waited in
+    Reducer::finalize_backward, on the all-reduce's future (no timeout), its connection to the
+    peer already closed, until torchrun's SIGKILL 30 s after its SIGTERM. So a stop signal
+    after a peer left its error in the store (torchrun sends one to every rank when a rank
+    ends) ends this rank within GRACE_S: one line, exit 3, as a lost peer does."""
+    if _watch_store is None or "deadline" in _ending:
+        return
+    failed = "; ".join(failed_peers(_watch_store))
+    if failed:
+        name = next(signal.Signals(s).name for s in STOP_SIGNALS if s in received)
+        _end_within(GRACE_S, 3, name, failed=failed)
 
 
 def say_interrupted(why: str, detail: str = "") -> None:
     """The one line an interrupt ends with, said once (by the main thread or the watchdog)."""
+    if _first_last_words():
+        leave_message(why)
+        report(f"{why}: stopped at once, without a checkpoint (the last one saved is kept)"
+               f"{detail}")
+
+
+def say_peer_failure(explanation: str) -> None:
+    """The one line a rank that lost a peer ends with, said once (main thread or watchdog)."""
+    if _first_last_words():
+        print(f"error: rank {launcher_rank()}: {explanation}", file=sys.stderr, flush=True)
+
+
+def _first_last_words() -> bool:
+    """True the first time only: a process ends with one line, whichever thread says it."""
     with _ending_lock:
-        if _ending.get("reported"):
-            return
+        first = not _ending.get("reported")
         _ending["reported"] = True
-    leave_message(why)
-    report(f"{why}: stopped at once, without a checkpoint (the last one saved is kept){detail}")
+    return first
 
 
 def exit_at_once(code: int) -> None:
@@ -334,7 +383,7 @@ def exit_code(err: BaseException) -> int | None:
     if isinstance(err, RuntimeError):
         explanation = explain_collective_failure(err)
     if explanation is not None:
-        print(f"error: rank {launcher_rank()}: {explanation}", file=sys.stderr, flush=True)
+        say_peer_failure(explanation)
         return 3
     leave_message(f"{type(err).__name__}: {first_line(err)}")  # a bug: its traceback follows
     return None
