@@ -56,12 +56,11 @@ def demo_collectives(rank: int, world_size: int, device: torch.device) -> None:
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     show(rank, world_size, "all_reduce(sum)", mine, total)
 
-    # Averaging is how DDP combines gradients. ReduceOp.AVG does it in one call with NCCL, and
-    # with gloo on torch 2.15 (2.7's gloo raises "Cannot use ReduceOp.AVG with Gloo"), so sum
-    # and divide: it works on every backend and torch this tutorial supports.
+    # Averaging is how DDP combines gradients: ReduceOp.AVG, in one call, with NCCL and with
+    # gloo on every torch this tutorial supports (measured on 2.8.0 and 2.15.0; 2.7's gloo
+    # raised "Cannot use ReduceOp.AVG with Gloo", and code for it sums and divides).
     average = mine.clone()
-    dist.all_reduce(average, op=dist.ReduceOp.SUM)
-    average /= world_size
+    dist.all_reduce(average, op=dist.ReduceOp.AVG)
     show(rank, world_size, "all_reduce(avg)", mine, average)
 
     # broadcast: rank 0's tensor overwrites everyone's (how DDP makes the weights equal).
@@ -154,7 +153,7 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
     # Join the group: blocks until all world_size ranks have arrived at MASTER_ADDR:MASTER_PORT.
-    # device_id lets NCCL connect at once (gloo needs none; 2.15 accepts cpu:0, 2.7 refuses it).
+    # device_id lets NCCL connect at once (gloo needs none; 2.15 accepts cpu:0, 2.8 refuses it).
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120),
                             device_id=device if device.type == "cuda" else None)

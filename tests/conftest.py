@@ -147,10 +147,11 @@ def assert_no_traceback(proc: subprocess.CompletedProcess) -> None:
 
 
 def frames_of_ours(output: str) -> list[str]:
-    """The traceback lines that name a file of this repository (not of its .venv, where the
-    README's Quickstart installs torch: torchrun's own frames are there)."""
+    """The traceback lines that name a file of this repository (not of a virtualenv inside it,
+    where the README's Quickstart installs torch: torchrun's own frames are there)."""
     return [line for line in output.splitlines()
-            if line.strip().startswith("File ") and str(REPO) in line and "/.venv/" not in line]
+            if line.strip().startswith("File ") and str(REPO) in line
+            and "/site-packages/" not in line]
 
 
 # Steps 07 and 08, 2 epochs of 20 steps (960 samples, global batch 48), a checkpoint every 4.

@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 dist.init_process_group("gloo", rank=0, world_size=1, device_id=torch.device("cpu:0"))  # accepted
 average = torch.tensor([1.0, 3.0])
-dist.all_reduce(average, op=dist.ReduceOp.AVG)  # gloo has AVG (2.7's raised)
+dist.all_reduce(average, op=dist.ReduceOp.AVG)  # gloo has AVG (2.7's raised; 2.8's has it)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
 for _ in range(3):  # DDP rebuilds its buckets in the forward after its first backward
     model(torch.randn(2, 4)).sum().backward()
