@@ -57,8 +57,8 @@ def demo_collectives(rank: int, world_size: int, device: torch.device) -> None:
     show(rank, world_size, "all_reduce(sum)", mine, total)
 
     # Averaging is how DDP combines gradients: ReduceOp.AVG, in one call, with NCCL and with
-    # gloo on every torch this tutorial supports (measured on 2.8.0 and 2.15.0; 2.7's gloo
-    # raised "Cannot use ReduceOp.AVG with Gloo", and code for it sums and divides).
+    # gloo on every torch this tutorial supports (measured on 2.8.0 and 2.15.0; on 2.7, gloo
+    # raised "Cannot use ReduceOp.AVG with Gloo": code for it must sum, then divide).
     average = mine.clone()
     dist.all_reduce(average, op=dist.ReduceOp.AVG)
     show(rank, world_size, "all_reduce(avg)", mine, average)
