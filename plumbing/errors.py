@@ -333,6 +333,7 @@ def run_main(main) -> None:
     except BaseException as err:  # noqa: BLE001 -- sorted below; the rest is re-raised
         signals_end_the_process()  # from here on, a second Ctrl-C or SIGTERM ends it at once
         end_child_processes()
+        err = signal_behind(err)
         code = exit_code(err)
         if isinstance(err, (KeyboardInterrupt, Interrupted)):
             exit_at_once(code)
@@ -346,6 +347,22 @@ def run_main(main) -> None:
             dist.destroy_process_group()
     if code:
         sys.exit(code)
+
+
+def signal_behind(err: BaseException) -> BaseException:
+    """The Ctrl-C or Interrupted that `err` was raised while handling, else `err` itself.
+
+    A signal can land inside torch.save's write to a Python file. Its exception then unwinds
+    through torch's zip writer, and torch.save's cleanup (`write_end_of_file`) fails on the
+    half-written record with a RuntimeError "unexpected pos" (torch 2.15), which our save turns
+    into "could not write checkpoint". What ended the run was the signal, not the disk."""
+    cause, visited = err, set()
+    while cause is not None and id(cause) not in visited:
+        if isinstance(cause, (KeyboardInterrupt, Interrupted)):
+            return cause
+        visited.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return err
 
 
 def check_torch_variables() -> None:

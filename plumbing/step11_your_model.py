@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from .checkpoint import temporary_name
+from .checkpoint import write_atomically
 
 # N ranks vs one process over the same global batch, float32 on the CPU: the same sums in
 # another order (the all-reduced BatchNorm statistics, DDP's averaged gradients). Measured on
@@ -132,12 +131,7 @@ def overlap(indices: torch.Tensor, run) -> dict:
 
 def save_atomically(state: dict, path) -> None:
     """torch.save to a temporary file, then a rename: a reader never sees half a file."""
-    tmp = temporary_name(path)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomically(path, lambda f: torch.save(state, f))
 
 
 def explain(err: BaseException, bug: str) -> str:
@@ -177,9 +171,7 @@ def ready_twice(err: BaseException) -> str:
 
 def write_checks(path, results: dict) -> None:
     """The measured numbers, for the tests and for docs/your-model.md."""
-    tmp = temporary_name(path)
-    tmp.write_text(json.dumps(results, indent=1))
-    os.replace(tmp, path)
+    write_atomically(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
 
 
 def report(one_process, sampled, reloaded, run, args) -> bool:

@@ -121,6 +121,52 @@ def test_ctrl_c_to_the_main_process_ends_the_run_and_its_workers(tmp_path):
     checkpoint.load(tmp_path / "checkpoint.pt")  # the last one saved is whole
 
 
+# A save whose file's third write() is where Ctrl-C arrives: a real SIGINT, sent from inside
+# torch.save's write, so that it lands there every time (in a run it lands there by chance: CI
+# once reported "could not write checkpoint ... unexpected pos", exit 2, for a Ctrl-C).
+CTRL_C_MID_SAVE = """
+import builtins, os, signal, sys
+import torch
+from plumbing import checkpoint, errors
+
+class CtrlCOnThirdWrite:
+    def __init__(self, f):
+        self.f, self.writes = f, 0
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.f.write(data)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+def main():
+    model = torch.nn.Linear(200, 200)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    checkpoint.save(checkpoint.Path(sys.argv[1]), model, optimizer, scheduler, epoch=1)
+    checkpoint.open = lambda *args: CtrlCOnThirdWrite(builtins.open(*args))
+    checkpoint.save(checkpoint.Path(sys.argv[1]), model, optimizer, scheduler, epoch=2)
+
+errors.run_main(main)
+"""
+
+
+def test_ctrl_c_inside_a_checkpoint_write_is_reported_as_ctrl_c(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    done = subprocess.run([sys.executable, "-c", CTRL_C_MID_SAVE, path], cwd=REPO,
+                          env=base_env(), capture_output=True, text=True,
+                          timeout=GUARD_S)
+    assert done.returncode == 130, done.stderr[-3000:]
+    one_error_line(done.stderr, "interrupted (SIGINT)", "without a checkpoint")
+    assert checkpoint.load(path)["epoch"] == 1  # the one saved before is whole
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left
+
+
 def test_a_second_sigterm_ends_the_process_at_once(tmp_path):
     """The first SIGTERM is a stop request, taken at the next vote; this rank never gets there
     (it stalls in step 5, as a rank stuck in I/O would), so the second one must end it."""
