@@ -1,6 +1,6 @@
 """What DDP's find_unused_parameters=True costs per step, against False and static_graph=True.
 
-    torchrun --standalone --nproc-per-node 2 bench/unused_params.py            # ~2 min on 2 cores
+    torchrun --standalone --nproc-per-node 2 bench/unused_params.py            # ~1 min on 2 cores
     torchrun --standalone --nproc-per-node 2 bench/unused_params.py --rounds 300 --out FILE
 
 With find_unused_parameters=True, DDP walks the autograd graph from the forward's outputs after
