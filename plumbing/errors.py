@@ -191,7 +191,8 @@ def this_launch() -> str:
 # after a peer failed ends the rank the same way, exit 3 (see _end_if_a_peer_failed).
 GRACE_S = 3.0
 _ending: dict = {}  # deadline, code, why, failed, reported: how this process ends
-_ending_lock = threading.Lock()
+_ending_lock = threading.RLock()  # (re-entrant: a signal's handler can run while its thread holds it)
+_ending_anyway = False  # main() failed: a signal now only makes sure that the end comes
 _wakeup = None
 
 
@@ -237,9 +238,13 @@ def _watch(reader: socket.socket) -> None:
             received = reader.recv(64)  # a byte per signal, its number
             if not received:  # the writing end is closed: nothing will ever come (and select
                 return  # would return at once, for ever: a thread that spins)
+            stops = [signum for signum in STOP_SIGNALS if signum in received]
             if signal.SIGINT in received:
                 _end_within(GRACE_S, 128 + signal.SIGINT, "interrupted (SIGINT)")
-            elif any(signum in received for signum in STOP_SIGNALS):
+            elif stops and _ending_anyway:
+                _end_within(GRACE_S, 128 + stops[0],
+                            f"{signal.Signals(stops[0]).name} while ending after an error")
+            elif stops:
                 _end_if_a_peer_failed(received)
         elif deadline is not None:  # the main thread did not end the process in time
             not_by_itself = f"this rank did not stop by itself within {GRACE_S:g} s"
@@ -331,7 +336,7 @@ def run_main(main) -> None:
         check_torch_variables()
         main()
     except BaseException as err:  # noqa: BLE001 -- sorted below; the rest is re-raised
-        signals_end_the_process()  # from here on, a second Ctrl-C or SIGTERM ends it at once
+        signals_end_the_process()  # from here on, a Ctrl-C or SIGTERM ends it within GRACE_S
         end_child_processes()
         err = signal_behind(err)
         code = exit_code(err)
@@ -407,11 +412,21 @@ def exit_code(err: BaseException) -> int | None:
 
 
 def signals_end_the_process() -> None:
-    """Back to the default action (end the process) for Ctrl-C and the stop signals. A signal
-    already noted but not yet handled is then dropped instead of raised in the middle of the
-    error handling."""
+    """From the error handling on, Ctrl-C and the stop signals raise nothing in the main thread,
+    which goes on to print this rank's line: the watchdog ends the process GRACE_S after such a
+    signal if the main thread has not by then. (A raise would replace the error being
+    reported; their default action ended the rank before its line: torchrun's SIGTERM, sent to
+    every rank once one failed, came first for about 30 % of the ranks that lost a stalled
+    peer.)"""
+    global _ending_anyway
+    _ending_anyway = True
     for signum in (signal.SIGINT, *STOP_SIGNALS):
-        signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signum, _for_the_watchdog)
+
+
+def _for_the_watchdog(signum, frame) -> None:
+    """Does nothing: being a Python handler makes Python's C-level handler write the signal to
+    the watchdog's socket (SIG_DFL and SIG_IGN do not), and the watchdog acts on it."""
 
 
 def end_child_processes() -> None:

@@ -167,6 +167,48 @@ def test_ctrl_c_inside_a_checkpoint_write_is_reported_as_ctrl_c(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left
 
 
+# main() fails with a UserError, and a real SIGTERM arrives while run_main reports it (from
+# inside the error's __str__, so that it lands there every time), as torchrun's SIGTERM to
+# every rank does when one rank failed. Then the report takes `sys.argv[1]` seconds more.
+SIGTERM_WHILE_REPORTING = """
+import os, signal, sys, time
+from plumbing import errors
+
+class SlowToSay(errors.UserError):
+    def __str__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(float(sys.argv[1]))
+        return "the planted error"
+
+def main():
+    raise SlowToSay()
+
+errors.run_main(main)
+"""
+
+
+def report_under_sigterm(seconds: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SIGTERM_WHILE_REPORTING, str(seconds)],
+                          cwd=REPO, env=base_env(), capture_output=True, text=True,
+                          timeout=GUARD_S)
+
+
+def test_a_sigterm_while_a_rank_reports_its_error_does_not_silence_it():
+    """It used to end the rank by SIGTERM's default action, before its line."""
+    done = report_under_sigterm(0.5)
+    assert done.returncode == 2, done.stderr[-3000:]
+    one_error_line(done.stderr, "the planted error")
+
+
+def test_a_sigterm_while_a_rank_hangs_in_its_error_handling_ends_it():
+    """The watchdog ends it GRACE_S after the signal, with a line saying why (a report that
+    would take 90 s; the guard is a hang guard, not a speed bound)."""
+    done = report_under_sigterm(90)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    one_error_line(done.stderr, "SIGTERM while ending after an error",
+                   "did not stop by itself within 3 s")
+
+
 def test_a_second_sigterm_ends_the_process_at_once(tmp_path):
     """The first SIGTERM is a stop request, taken at the next vote; this rank never gets there
     (it stalls in step 5, as a rank stuck in I/O would), so the second one must end it."""
