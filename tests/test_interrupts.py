@@ -266,8 +266,8 @@ def test_ctrl_c_while_a_peer_is_stalled_ends_the_run_in_seconds(tmp_path, ctrl_c
     here, the default). A Ctrl-C to rank 0 alone (`kill -INT`), or a terminal's Ctrl-C, which
     reaches torchrun (torch 2.15 starts every rank in a session of its own) and which torchrun
     forwards to every rank, must end rank 0 in seconds with its own line: its watchdog thread
-    does (errors.watch_signals). Rank 1 then resumes and ends by itself (exit 3: its peer is
-    gone, or 130: its own Ctrl-C); nobody waits for torchrun's SIGKILL."""
+    does (errors.watch_signals). Rank 1 then resumes and ends by itself, with its own line
+    (exit 3: its peer is gone, or 130: its own Ctrl-C); nobody waits for torchrun's SIGKILL."""
     cmd = torchrun_cmd(2, STEP, *ARGS, "--timeout", 600, "--out-dir", tmp_path)
     agent = start(cmd, tmp_path)
     wait_for(tmp_path / "checkpoint.pt", agent)
@@ -297,6 +297,9 @@ def test_ctrl_c_while_a_peer_is_stalled_ends_the_run_in_seconds(tmp_path, ctrl_c
     assert any(line.startswith("error: interrupted (SIGINT): stopped at once") and
                "did not stop by itself within 3 s" in line and  # the watchdog ended it
                "(rank 0 on " in line for line in errors), (seconds, output[-3000:])
+    # Rank 1 says why it ended too ("rank 1: lost contact ..." or "... (rank 1 on ...)"), even
+    # when torchrun's SIGTERM reaches it while it reports (errors.signals_end_the_process).
+    assert any("rank 1" in line for line in errors), output[-3000:]
     assert "SIGKILL" not in output, output[-3000:]
     assert alive(everyone) == []
     checkpoint.load(tmp_path / "checkpoint.pt")
