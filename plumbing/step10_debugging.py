@@ -7,21 +7,24 @@ key/value server every process group already has) and then publishes its state: 
 Recorder's last collectives, its step count and the line its main thread is on. A rank that
 leaves early publishes its last state on the way out.
 
-Every private torch API step 10 uses is imported here, in this one file (a version gate needs to
-look nowhere else):
+Every private torch API step 10 uses is reached here, in this one file, and each is looked up
+(attribute and argument, never the version number), with a fallback where it is absent:
   torch._C._distributed_c10d._dump_fr_trace    the Flight Recorder of gloo and of hooked backends
-                                               (absent in torch 2.6.0: the import fails; present
-                                               in 2.14.1 and 2.15.0; its `backend=` argument is
-                                               read here only for nccl2, which is new in 2.15)
+                                               (absent in torch 2.6.0: no record; its `backend=`
+                                               argument, absent in 2.14.1, present in 2.15.0, is
+                                               passed only for nccl2, new in 2.15 as well)
   torch._C._distributed_c10d._dump_nccl_trace  legacy ProcessGroupNCCL's own recorder (CUDA
-                                               builds only: imported when that backend is used)
+                                               builds only; absent: no record)
   ProcessGroup._get_backend(device).name()     which backend serves a group ("gloo", "nccl2",
-                                               or "nccl" for the legacy one)
+                                               or "nccl" for the legacy one); else get_backend()
+  distributed_c10d._get_default_store()        the store every rank can reach (no fallback:
+                                               step 10 refuses in one line, see below)
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import pickle
@@ -34,14 +37,32 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+import torch._C._distributed_c10d as c10d_ext
 import torch.distributed as dist
-from torch._C._distributed_c10d import _dump_fr_trace  # the Flight Recorder's own dump
+
+from .errors import report
+
+_dump_fr_trace = getattr(c10d_ext, "_dump_fr_trace", None)  # the Flight Recorder's own dump
+if not hasattr(dist.distributed_c10d, "_get_default_store"):  # nothing to ask the ranks through
+    report(f"10_debugging.py needs torch.distributed.distributed_c10d._get_default_store(), "
+           f"which this torch ({torch.__version__}) does not have")
+    sys.exit(2)
 
 REQUEST, REPORTER, REPORTED = "debug10/request", "debug10/reporter", "debug10/reported"
 POLL_SECONDS = 0.2
 # DETAIL's op names, as the Flight Recorder spells them
 DETAIL_OPS = {"ALLREDUCE": "all_reduce", "BARRIER": "barrier", "BROADCAST": "broadcast",
               "ALLGATHER": "all_gather", "REDUCE_SCATTER": "reduce_scatter"}
+
+
+def takes(function, keyword: str) -> bool:
+    """Whether `function` accepts `keyword`. torch's C++ functions (pybind11) have no
+    inspect.signature; the first line of their docstring is their signature."""
+    try:
+        return keyword in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return f"{keyword}:" in (function.__doc__ or "").split("\n", 1)[0]
 
 
 def store():
@@ -55,7 +76,9 @@ def serving_backend(group=None) -> str:
     "gloo"; "nccl2" (what the name `nccl` builds in torch 2.15: distributed_c10d.py,
     _register_builtin_nccl_backend); or "nccl", the legacy ProcessGroupNCCL (with
     TORCH_DIST_USE_NCCL2=0, or the name "nccl-legacy")."""
-    group = group or dist.distributed_c10d._get_default_group()
+    group = group or dist.group.WORLD
+    if not (hasattr(group, "_get_backend") and getattr(group, "_device_types", None)):
+        return dist.get_backend(group)  # the public name: "nccl" for either NCCL backend
     return group._get_backend(group._device_types[0]).name()
 
 
@@ -70,10 +93,12 @@ def dump_for(backend: str):
     - legacy ProcessGroupNCCL records natively into a buffer of its own (of CUDA events),
       which only `_dump_nccl_trace()` reads.
     Without stack traces: symbolising them costs seconds on the first dump."""
+    legacy = getattr(c10d_ext, "_dump_nccl_trace", None)  # only in CUDA builds
+    if (backend == "nccl" and legacy is None) or _dump_fr_trace is None:
+        return lambda: pickle.dumps({})  # no Flight Recorder for it in this torch: no record
     if backend == "nccl":
-        from torch._C._distributed_c10d import _dump_nccl_trace  # only in CUDA builds
-        return functools.partial(_dump_nccl_trace, includeStackTraces=False)
-    if backend == "gloo":  # the default buffer (no backend= argument before torch 2.15)
+        return functools.partial(legacy, includeStackTraces=False)
+    if backend == "gloo" or not takes(_dump_fr_trace, "backend"):  # one buffer only (2.14.1)
         return functools.partial(_dump_fr_trace, includeStackTraces=False)
     return functools.partial(_dump_fr_trace, includeStackTraces=False, backend=backend)
 
