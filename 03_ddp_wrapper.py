@@ -109,8 +109,11 @@ def describe_buckets(model) -> str:
     """DDP's gradient buckets, each one all-reduce. After its first steps DDP rebuilds them in
     the order gradients became ready in backward (last layer first); a bucket closes once it
     holds more than its cap: 1 MiB for the first, so communication starts early, 25 MiB for
-    the rest (--bucket-cap-mb sets both). _get_ddp_logging_data: DDP's own report."""
-    info = model._get_ddp_logging_data()
+    the rest (--bucket-cap-mb sets both). _get_ddp_logging_data: DDP's own report, which
+    holds the rebuilt buckets only after a few steps (docs/steps.md)."""
+    info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
+    if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
+        return "DDP's gradient buckets: not reported yet (DDP reports them after its first few steps)"
     names = [name for name, _ in model.module.named_parameters()]
     buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
                   info["rebuilt_per_bucket_param_indices"].split(", "))

@@ -150,3 +150,29 @@ def test_what_a_checkpoint_restores_lands_on_the_cpu_first(tmp_path, monkeypatch
     # ...and the loader does stand in: without map_location="cpu" the same state cannot be set.
     with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):
         fault_tolerance.set_rng_state(torch.load(tmp_path / "rng-rank0.pt", weights_only=True))
+
+
+def test_an_epoch_too_short_for_ddp_to_report_its_buckets_still_saves(tmp_path):
+    """DDP reports its rebuilt buckets only after a few synchronised steps. 03 prints them after
+    its first epoch, before its save: with 2 steps (the issue's default flags) reading the report
+    raised KeyError and no checkpoint was written (issue 43)."""
+    proc = run_step("03_ddp_wrapper.py", ["--data", "synthetic", "--train-samples", 512,
+                                          "--test-samples", 128, "--epochs", 1,
+                                          "--out-dir", tmp_path])
+    assert "DDP's gradient buckets: not reported yet" in proc.stdout
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 1
+
+
+def test_a_job_stopped_near_the_end_of_an_epoch_finishes_after_its_restart(mnist_root, tmp_path):
+    """Checkpointed at step 7 of an 8-step epoch, then a rank dies: the restarted group trains
+    one step, in which its new DDP cannot report buckets yet. That used to crash before the
+    end-of-epoch save, so the checkpoint stayed at step 7 and every restart crashed again."""
+    proc = run_step("07_fault_tolerance.py",
+                    ["--data", "mnist", "--data-dir", mnist_root, "--train-samples", 512,
+                     "--batch-size", 64, "--checkpoint-every", 7, "--epochs", 1,
+                     "--out-dir", tmp_path], nproc=2,
+                    probe_dir=tmp_path / "probe", env_extra={"PROBE_KILL": "1:8", **FRESH_STORE},
+                    torchrun_extra=("--max-restarts", "1"))
+    assert "resumed at step 7 of epoch 1" in proc.stdout
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    assert read_summary(tmp_path)["test_correct"] > 0
