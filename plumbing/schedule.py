@@ -5,6 +5,7 @@ decayed per epoch. Built by common.lr_schedule; 09's export rebuilds one to copy
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 DECAY = 0.7  # per epoch: what StepLR(step_size=1, gamma=0.7), stepped once per epoch, did
 
@@ -42,8 +43,17 @@ class LRSchedule(torch.optim.lr_scheduler.LambdaLR):
 
     def load_state_dict(self, state_dict: dict) -> None:
         epochs, step = divmod(state_dict["last_epoch"], state_dict["steps_per_epoch"])
+        saved_lrs = state_dict.get("base_lrs", self.base_lrs)
+        # --lr is this run's flag too: the checkpoint's own rate would be used silently, while
+        # summary.json records --lr (issue 43). Same rate: nothing changes, the resume is exact.
         super().load_state_dict({**state_dict, "steps_per_epoch": self.steps_per_epoch,
-                                 "last_epoch": epochs * self.steps_per_epoch + step})
+                                 "last_epoch": epochs * self.steps_per_epoch + step,
+                                 "base_lrs": self.base_lrs})
+        if saved_lrs != self.base_lrs and (not dist.is_initialized() or dist.get_rank() == 0):
+            saved = saved_lrs[0] if isinstance(saved_lrs, list) and saved_lrs else saved_lrs
+            print(f"note: --lr {self.base_lrs[0]:g} replaces the --lr {saved} the checkpoint "
+                  f"was trained with; the schedule goes on from its step {self.last_epoch}",
+                  flush=True)
         # The next step's rate, from this run's scale (the optimizer's state held the old one).
         self._last_lr = [base * factor(self.last_epoch)
                          for factor, base in zip(self.lr_lambdas, self.base_lrs)]

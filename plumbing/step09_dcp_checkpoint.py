@@ -417,6 +417,7 @@ def export(path: Path | None, out: Path, args) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     scheduler.steps_per_epoch = state["extra"]["scheduler"]["steps_per_epoch"]  # no conversion
+    scheduler.base_lrs = list(state["extra"]["scheduler"]["base_lrs"])  # the saved --lr, kept
     scheduler.load_state_dict(state["extra"]["scheduler"])
     position = state["extra"]["position"]  # kept: 00-06 refuse to continue mid-epoch
     checkpoint.save(out, model, optimizer, scheduler, state["extra"]["epoch"],

@@ -176,3 +176,20 @@ def test_a_job_stopped_near_the_end_of_an_epoch_finishes_after_its_restart(mnist
     assert "resumed at step 7 of epoch 1" in proc.stdout
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 1
     assert read_summary(tmp_path)["test_correct"] > 0
+
+
+@pytest.mark.parametrize("script", ["07_fault_tolerance.py", "09_distributed_checkpoint.py"])
+def test_a_resume_with_another_lr_trains_at_it_and_says_so(mnist_root, tmp_path, script):
+    """`--resume CKPT --lr X` used the checkpoint's rate silently, while summary.json said X
+    (issue 43). Now X applies from the next step on, with a note; the same --lr changes nothing
+    (the exact-resume tests)."""
+    common = ["--data", "mnist", "--data-dir", mnist_root, "--train-samples", 192,
+              "--test-samples", 64, "--batch-size", 64, "--checkpoint-every", 0]
+    run_step(script, [*common, "--epochs", 1, "--lr", 0.05, "--out-dir", tmp_path / "first"])
+    saved = tmp_path / "first" / ("checkpoint.pt" if script.startswith("07") else "checkpoint")
+    proc = run_step(script, [*common, "--epochs", 2, "--lr", 0.001, "--resume", saved,
+                             "--out-dir", tmp_path / "second"])
+    assert "note: --lr 0.001 replaces the --lr 0.05 the checkpoint was trained with" in proc.stdout
+    summary = read_summary(tmp_path / "second")
+    assert summary["lr"] == 0.001
+    assert summary["lrs"] == [pytest.approx(0.001 * 0.7, rel=1e-12)]  # epoch 2's decay, new rate
