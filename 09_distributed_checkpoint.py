@@ -260,10 +260,9 @@ def main():
                                    else f"epoch{epochs_done}-end", fault_tolerance.rng_state())
         # Blocks while this rank's shards are copied to host memory; the writing overlaps the
         # next steps, and the next save (or the end) waits for it, then commits the folder.
-        # per_thread_copy_ahead=0: the writer thread only writes those host copies. Left at its
-        # default it asks CUDA for a stream, and a new thread's CUDA device is GPU 0, so every
-        # rank would open a context on GPU 0 (torch 2.15, checkpoint/filesystem.py:
-        # _write_files_from_queue picks _OverlappingCpuLoader when it is above 0).
+        # per_thread_copy_ahead=0: the writer thread only writes those host copies (above 0 it
+        # would ask CUDA for a stream, on GPU 0 in a new thread). async_save's staging already
+        # sets 0 (FileSystemWriter.stage, read in torch 2.8.0 and 2.14.1): said here, not needed.
         saving.started(dcp.async_save({"model": model_state, "optim": optim, "extra": {
             "epoch": epochs_done, "position": done, "scheduler": scheduler.state_dict()}},
             storage_writer=dcp.FileSystemWriter(folder, per_thread_copy_ahead=0),

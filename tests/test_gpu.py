@@ -271,7 +271,8 @@ def first_gpu_uuid() -> str:
 def test_09_background_saves_open_no_context_on_gpu_0_from_other_ranks(backend_env, mnist_root,
                                                                         tmp_path):
     """dcp.async_save's writer thread runs on CUDA's default device, GPU 0, of every rank: with
-    FileSystemWriter(per_thread_copy_ahead=0) it makes no CUDA call there (09's comment). Watched
+    FileSystemWriter(per_thread_copy_ahead=0), which async_save's staging sets itself
+    (FileSystemWriter.stage), it makes no CUDA call there (09's comment). Watched
     with nvidia-smi while 09 saves every 2 steps: GPU 0 holds one new process, rank 0's."""
     gpu0 = first_gpu_uuid()
     before = {pid for uuid, pid, _ in compute_apps() if uuid == gpu0}
