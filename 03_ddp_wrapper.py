@@ -113,7 +113,7 @@ def describe_buckets(model) -> str:
     holds the rebuilt buckets only after a few steps (docs/steps.md)."""
     info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
     if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
-        return "DDP's gradient buckets: not reported yet (DDP reports them after its first few steps)"
+        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
     names = [name for name, _ in model.module.named_parameters()]
     buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
                   info["rebuilt_per_bucket_param_indices"].split(", "))

@@ -161,7 +161,7 @@ def describe_buckets(model) -> str:
     """DDP's gradient buckets, as step 03 writes out (steps 04 on call this)."""
     info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
     if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
-        return "DDP's gradient buckets: not reported yet (DDP reports them after its first few steps)"
+        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
     names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
     buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
                   info["rebuilt_per_bucket_param_indices"].split(", "))
