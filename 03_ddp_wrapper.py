@@ -10,14 +10,14 @@ Step 02b wrote that overlap by hand. What DDP adds, as read in torch 2.15's sour
 - bucket rebuilding: its first backward sends all gradients as one bucket and notes the order
   in which they arrive; then it rebuilds its buckets once in that order (rank 0's order,
   broadcast to all; a world of one rebuilds too) and keeps them. Each is one flat buffer,
-  allocated once (2.15's `lazy_bucket_allocation=True` allocates it as its gradients arrive
-  and frees it after backward), into which every gradient is copied (times 1/N) as it
-  arrives; buckets are all-reduced strictly in turn.
+  allocated once (torch 2.15 adds an opt-in, off by default: `lazy_bucket_allocation=True`
+  allocates it as its gradients arrive and frees it after backward), into which every
+  gradient is copied (times 1/N) as it arrives; buckets are all-reduced strictly in turn.
 - `no_sync()`, where 02b sets a flag by hand.
 - the C++ reducer: hooks, copies and waits run in C++, and the wait for the last bucket is
   queued at the end of backward(), so the gradients are averaged when backward() returns
-  (2.15's `require_manual_backward_finalization = True` leaves that wait to the caller's
-  `finalize_backward()`, to overlap it with other work).
+  (2.15's opt-in `require_manual_backward_finalization = True` leaves that wait to the
+  caller's `finalize_backward()`, to overlap it with other work).
 - under torch.compile (step 04), DDPOptimizer splits the compiled graph at bucket boundaries:
   one fused backward would make every gradient ready at once, and nothing would overlap.
 
