@@ -218,8 +218,9 @@ def report_failure(err, run, args, progress, watcher) -> None:
         print(f"[Flight Recorder] rank {rank} ({s['steps']} steps, at {s['where']}): last "
               f"collectives: {groups or 'none'}", flush=True)
     folder = args.out_dir / "flight_recorder"
-    debug.write_fr_dumps(folder, {r: s["record"] for r, s in states.items()})
-    print(f"[Flight Recorder] records written: python -m "
+    unwritten = debug.write_fr_dumps(folder, {r: s["record"] for r, s in states.items()})
+    print(f"[Flight Recorder] records not written: {unwritten}" if unwritten else
+          f"[Flight Recorder] records written: python -m "
           f"torch.distributed.flight_recorder.fr_trace {folder}", flush=True)
     for rank, s in sorted(states.items()):
         if s["host"] == run.hostname and s["error"] is None:  # still stuck, on this machine
@@ -266,6 +267,7 @@ def main():
         parser.error("--lr-scaling: 10_debugging.py trains at a fixed --lr (steps 00-09 scale)")
     check_the_bug_shows(args, n)  # before any work starts
     turn_on_tools()
+    debug.check_room(args.out_dir)  # where the records go: a full disk is one line now
     run, checked = setup(args)
     train_set, test_set = data.load_datasets(args, run, download=run.is_main)
     plan = common.plan_batches(args, run.world_size, len(train_set))

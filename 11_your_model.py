@@ -253,6 +253,7 @@ def main():
     args = parser.parse_args()
     if args.batch_size is None and args.batch_per_rank is None:
         args.batch_per_rank = 16
+    check.check_room(args.out_dir)  # where the model goes: a full disk is one line now
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size < 2:  # checked before any work starts
         raise common.UserError("11 compares N ranks with one process: start 2 or more, e.g. "

@@ -280,3 +280,16 @@ def restore(path: Path, run, model, optimizer, scheduler, mid_epoch: bool = Fals
                         f"({first_line(err)})") from None
     log(run, f"resumed from {path} after epoch {checkpoint['epoch']}")
     return checkpoint
+
+
+def check_room(folder: Path) -> None:
+    """Write a small file in `folder` and remove it: a disk that is full already, a quota or a
+    read-only filesystem is one line at the start (steps 10 and 11 write only at their end;
+    00-09 find it opening TensorBoard's event file)."""
+    probe = folder / ".write-check"
+    try:
+        write_atomically(probe, lambda f: f.write(bytes(4096)))
+    except OSError as err:
+        raise UserError(f"cannot write in --out-dir {folder}: {write_failure(err, probe)}"
+                        ) from None
+    discard(probe)

@@ -41,6 +41,8 @@ import torch
 import torch._C._distributed_c10d as c10d_ext
 import torch.distributed as dist
 
+from .checkpoint import check_room  # noqa: F401 -- the step calls it
+from .checkpoint import write_atomically, write_failure
 from .errors import report
 
 _dump_fr_trace = getattr(c10d_ext, "_dump_fr_trace", None)  # the Flight Recorder's own dump
@@ -325,14 +327,18 @@ def py_spy(pid: int, script: str) -> str:
 
 
 # ---------------------------------------------------------------- files for fr_trace
-def write_fr_dumps(folder: Path, records: dict[int, dict]) -> None:
+def write_fr_dumps(folder: Path, records: dict[int, dict]) -> str | None:
     """One file per rank, as torch's analyser wants them: `python -m
     torch.distributed.flight_recorder.fr_trace FOLDER`. The files hold DDP's group only, its
     entries under one name that pg_config also lists: gloo's dumps (torch 2.14.1 and 2.15.0)
     list the default group in pg_config under the key '' while its entries name it '0'
     (fr_trace stops with KeyError ('0', 1)), and name every DETAIL-wrapped group's entries ''
-    (our `checked` group, and DETAIL's helper group), so those are left out."""
-    folder.mkdir(parents=True, exist_ok=True)
+    (our `checked` group, and DETAIL's helper group), so those are left out.
+    Returns why they could not be written (a full disk), or None: the diagnosis comes next."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"{folder}: {err.strerror}"
     for rank, record in records.items():
         ddp = next(i for i, name in group_names(record).items() if name == "DDP's group")
         entries = [e for e in record.get("entries", []) if e["pg_id"] == ddp]
@@ -340,9 +346,12 @@ def write_fr_dumps(folder: Path, records: dict[int, dict]) -> None:
         name = names.pop()
         config = record.get("pg_config", {})
         config = {name: {**config.get(name, config.get("", {})), "desc": "default_pg"}}
-        tmp = folder / f".rank{rank}.tmp"
-        tmp.write_bytes(pickle.dumps({**record, "entries": entries, "pg_config": config}))
-        os.replace(tmp, folder / f"rank{rank}")
+        dump = pickle.dumps({**record, "entries": entries, "pg_config": config})
+        try:
+            write_atomically(folder / f"rank{rank}", lambda f: f.write(dump))
+        except OSError as err:
+            return f"{folder / f'rank{rank}'}: {write_failure(err, folder / f'rank{rank}')}"
+    return None
 
 
 # ---------------------------------------------------------------- the diagnosis line

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from .checkpoint import write_atomically
+from .checkpoint import check_room  # noqa: F401 -- the step calls it
+from .checkpoint import write_atomically, write_failure
+from .errors import UserError
 
 # N ranks vs one process over the same global batch, float32 on the CPU: the same sums in
 # another order (the all-reduced BatchNorm statistics, DDP's averaged gradients). Measured on
@@ -131,7 +133,16 @@ def overlap(indices: torch.Tensor, run) -> dict:
 
 def save_atomically(state: dict, path) -> None:
     """torch.save to a temporary file, then a rename: a reader never sees half a file."""
-    write_atomically(path, lambda f: torch.save(state, f))
+    write_in_one_line(path, lambda f: torch.save(state, f))
+
+
+def write_in_one_line(path, write) -> None:
+    """write_atomically, and a failure (a full disk: OSError, or torch.save's RuntimeError) as
+    one line: the file is whole or as it was."""
+    try:
+        write_atomically(path, write)
+    except (OSError, RuntimeError) as err:
+        raise UserError(f"could not write {path}: {write_failure(err, path)}") from None
 
 
 def explain(err: BaseException, bug: str) -> str:
@@ -171,7 +182,7 @@ def ready_twice(err: BaseException) -> str:
 
 def write_checks(path, results: dict) -> None:
     """The measured numbers, for the tests and for docs/your-model.md."""
-    write_atomically(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
+    write_in_one_line(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
 
 
 def report(one_process, sampled, reloaded, run, args) -> bool:
