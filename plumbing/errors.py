@@ -140,18 +140,46 @@ def report(message: str) -> None:
 def _first_to_say(message: str) -> bool:
     """True for the first process of this launch on this machine to report `message`."""
     key = hashlib.sha1(f"{this_launch()}|{message}".encode()).hexdigest()[:20]
-    folder = os.path.join(tempfile.gettempdir(), "ddp-tutorial-errors")
     try:
-        os.makedirs(folder, exist_ok=True)
-        for old in os.scandir(folder):  # markers of launches long gone
-            if old.stat().st_mtime < time.time() - 86400:
-                os.unlink(old.path)
-        os.close(os.open(os.path.join(folder, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        folder = _private_marker_folder()
+    except OSError:
+        return True  # no private folder (another user's, or a link): rather twice than never
+    try:
+        for old in os.scandir(folder):  # markers of launches long gone (only names we make)
+            if (_MARKER_NAME.fullmatch(old.name) and old.is_file(follow_symlinks=False)
+                    and old.stat(follow_symlinks=False).st_mtime < time.time() - 86400):
+                os.unlink(old.name, dir_fd=folder)
+        os.close(os.open(key, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600,
+                         dir_fd=folder))
     except FileExistsError:
         return False
     except OSError:
         pass  # no marker possible: rather twice than never
+    finally:
+        os.close(folder)
     return True
+
+
+_MARKER_NAME = re.compile(r"[0-9a-f]{20}")
+
+
+def _private_marker_folder() -> int:
+    """A descriptor of this user's marker folder in the temporary folder, made private (0700).
+    The temporary folder is everyone's: another user could plant a link there, to make our
+    launches write and delete in a folder of their choosing. So the folder is opened without
+    following a link, and refused (OSError) unless it is a folder we own that only we can
+    write; its name holds our user id, so that two users' launches each have their own."""
+    path = os.path.join(tempfile.gettempdir(), f"ddp-tutorial-errors-{os.geteuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # a link: ELOOP
+    info = os.fstat(folder)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        os.close(folder)
+        raise PermissionError(f"{path} is not private to this user")
+    return folder
 
 
 def this_launch() -> str:
