@@ -375,9 +375,13 @@ def run_main(main) -> None:
         if code is None:
             raise
     finally:
-        gc.collect()
-        if dist.is_initialized() and torn_down_cleanly:  # a broken group cannot be torn down
-            dist.destroy_process_group()
+        try:
+            gc.collect()
+            if dist.is_initialized() and torn_down_cleanly:  # a broken group cannot be torn down
+                dist.destroy_process_group()
+        except (KeyboardInterrupt, Interrupted) as err:  # a signal during the teardown:
+            signals_end_the_process()  # main() is done, but the run ends as the signal says
+            exit_at_once(exit_code(err))
     if code:
         sys.exit(code)
 

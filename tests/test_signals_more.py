@@ -24,6 +24,36 @@ from test_interrupts import GUARD_S, alive, descendants, finish, one_error_line,
 STEP09 = "09_distributed_checkpoint.py"
 
 
+# main() returns; run_main's teardown (a garbage collection, then the group's destruction) meets
+# a real Ctrl-C, sent as the destruction starts so that it lands there every time. (The issue
+# saw it by chance in the collection, on rank 1 of a torchrun run that got Ctrl-C as it ended.)
+CTRL_C_IN_TEARDOWN = """
+import os, signal
+import torch.distributed as dist
+from plumbing import errors
+
+destroy = dist.destroy_process_group
+
+def ctrl_c_then_destroy():
+    os.kill(os.getpid(), signal.SIGINT)
+    destroy()
+
+def main():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group = ctrl_c_then_destroy  # (main() itself does not call it)
+
+errors.run_main(main)
+"""
+
+
+def test_ctrl_c_in_the_teardown_after_main_is_one_line():
+    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_TEARDOWN], cwd=REPO, env=base_env(),
+                          capture_output=True, text=True, timeout=GUARD_S)
+    assert done.returncode == 130, done.stderr[-3000:]
+    one_error_line(done.stderr, "interrupted (SIGINT)")
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 MARKER_PROBE = "from plumbing import errors; errors.report('the planted error')"
 
 
