@@ -254,6 +254,9 @@ def _not_in_children() -> None:
     """A forked child (a DataLoader worker) would note its own signals in the parent's watchdog."""
     try:
         signal.set_wakeup_fd(-1)
+        for signum in STOP_SIGNALS:  # and a stop signal ends it as before, by its default
+            if signal.getsignal(signum) is _stop_now:
+                signal.signal(signum, signal.SIG_DFL)
     except ValueError:  # forked from another thread: its signals are not Python's to handle
         pass
 
@@ -274,6 +277,8 @@ def _watch(reader: socket.socket) -> None:
                             f"{signal.Signals(stops[0]).name} while ending after an error")
             elif stops:
                 _end_if_a_peer_failed(received)
+                if signal.getsignal(stops[0]) is _stop_now:  # (see stop_signals_end_now)
+                    _end_within(GRACE_S, 128 + stops[0], stopped_by(stops[0]))
         elif deadline is not None:  # the main thread did not end the process in time
             not_by_itself = f"this rank did not stop by itself within {GRACE_S:g} s"
             if _ending["failed"]:
@@ -306,6 +311,24 @@ def _end_if_a_peer_failed(received: bytes) -> None:
     if failed:
         name = next(signal.Signals(s).name for s in STOP_SIGNALS if s in received)
         _end_within(GRACE_S, 3, name, failed=failed)
+
+
+def stop_signals_end_now() -> None:
+    """For what has no checkpoint to save on a stop signal (step 11, 09's export): SIGTERM and
+    the other STOP_SIGNALS end the process as Ctrl-C does, one line and exit 128 + the
+    signal's number, within GRACE_S even when the main thread is blocked in C (the watchdog).
+    Their default action ended the process silently. (Steps 07-09 checkpoint instead:
+    step07_fault_tolerance.StopRequest.) From the main thread."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _stop_now)
+
+
+def _stop_now(signum, frame) -> None:
+    raise interrupt(signum, stopped_by(signum))
+
+
+def stopped_by(signum: int) -> str:
+    return f"{signal.Signals(signum).name} received"
 
 
 def say_interrupted(why: str, detail: str = "") -> None:

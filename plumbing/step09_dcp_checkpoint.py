@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.futures import Future
 
-from . import checkpoint, step07_fault_tolerance as fault_tolerance
+from . import checkpoint, errors, step07_fault_tolerance as fault_tolerance
 from .errors import Interrupted, PeerFailure, UserError, first_line
 from .model import build_model
 from .ranks import log
@@ -398,6 +398,7 @@ def export(path: Path | None, out: Path, args) -> None:
     """`09_distributed_checkpoint.py export --resume PATH`: the checkpoint as one plain
     checkpoint.pt that a plain Net loads with weights_only=True, and `00_single_gpu.py --resume`
     evaluates. One process."""
+    errors.stop_signals_end_now()  # nothing to save on SIGTERM: one line, exit 143 (not silent)
     if path is None:
         raise UserError("export needs --resume PATH: the checkpoint to export")
     folder = complete_folder(path)

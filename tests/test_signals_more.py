@@ -24,6 +24,77 @@ from test_interrupts import GUARD_S, alive, descendants, finish, one_error_line,
 STEP09 = "09_distributed_checkpoint.py"
 
 
+@pytest.fixture(scope="module")
+def dcp_checkpoint(tmp_path_factory) -> Path:
+    """A complete DCP checkpoint of step 09 (one process, one short epoch)."""
+    out = tmp_path_factory.mktemp("dcp")
+    subprocess.run([sys.executable, STEP09, "--data", "synthetic", "--train-samples", "192",
+                    "--test-samples", "64", "--batch-size", "48", "--epochs", "1", "--quiet",
+                    "--out-dir", out], cwd=REPO, env=base_env(), check=True, timeout=GUARD_S,
+                   capture_output=True)
+    return (out / "checkpoint").resolve()
+
+
+def waits_on_a_fifo(proc) -> bool:
+    """The process (or a child) is blocked opening a FIFO nobody writes."""
+    return any(Path(f"/proc/{pid}/wchan").read_text() == "wait_for_partner"
+               for pid in [proc.pid, *descendants(proc.pid)] if Path(f"/proc/{pid}").exists())
+
+
+def test_sigterm_during_the_export_is_one_line(dcp_checkpoint, tmp_path):
+    """The export installed no handler: SIGTERM's default action killed it, rc -15, silent."""
+    stalled = tmp_path / "stalled"
+    subprocess.run(["cp", "-r", dcp_checkpoint, stalled], check=True)
+    (stalled / "__0_0.distcp").unlink()
+    os.mkfifo(stalled / "__0_0.distcp")  # opening it blocks, as a hung network filesystem does
+    proc = start([sys.executable, STEP09, "export", "--resume", stalled, "--out-dir",
+                  tmp_path / "export"], tmp_path)
+    deadline = time.monotonic() + GUARD_S
+    while not waits_on_a_fifo(proc):
+        assert proc.poll() is None and time.monotonic() < deadline, read(proc)
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output = finish(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert output.strip() == ("error: SIGTERM received: stopped at once, without a checkpoint "
+                              "(the last one saved is kept)"), output[-3000:]
+
+
+# Step 09 whose every checkpoint read takes 6 s, as on a slow filesystem (the issue's recipe).
+SLOW_READS = """
+import runpy, sys, time
+sys.path.insert(0, ".")
+from torch.distributed.checkpoint import FileSystemReader
+read_data = FileSystemReader.read_data
+def slowly(self, plan, planner):
+    print("reading slowly", flush=True)
+    time.sleep(6)
+    return read_data(self, plan, planner)
+FileSystemReader.read_data = slowly
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ctrl_c_during_a_slow_checkpoint_read_ends_09(dcp_checkpoint, tmp_path):
+    """Reported as swallowed: the run resumed and exited 0. That run had inherited SIGINT
+    ignored (a command started with `&` by a non-interactive shell is, by POSIX, and Python
+    keeps it so); a Ctrl-C that reaches the process ends the load as it ends everything."""
+    proc = start([sys.executable, "-c", SLOW_READS, STEP09, "--data", "synthetic",
+                  "--train-samples", "192", "--test-samples", "64", "--batch-size", "48",
+                  "--epochs", "2", "--quiet", "--resume", dcp_checkpoint, "--out-dir",
+                  tmp_path / "out"], tmp_path)
+    deadline = time.monotonic() + GUARD_S
+    while "reading slowly" not in read(proc):
+        assert proc.poll() is None and time.monotonic() < deadline, read(proc)
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    output = finish(proc)
+    assert proc.returncode == 130, output[-3000:]
+    one_error_line(output, "interrupted (SIGINT)")
+    assert "resumed from" not in output and "Traceback" not in output, output[-3000:]
+
+
 # main() returns; run_main's teardown (a garbage collection, then the group's destruction) meets
 # a real Ctrl-C, sent as the destruction starts so that it lands there every time. (The issue
 # saw it by chance in the collection, on rank 1 of a torchrun run that got Ctrl-C as it ended.)
