@@ -232,6 +232,7 @@ def save_and_reload(model, raw_model, test_images, run, args) -> float:
 
 
 def main():
+    check.stop_signals_end_now()  # a preemption's SIGTERM: one line, exit 143 (not silent)
     parser = flags.parser(__doc__, __file__)
     choice = parser.add_mutually_exclusive_group(required=True)
     choice.add_argument("--bug", choices=["sampler", "unused", "batchnorm", "clip",

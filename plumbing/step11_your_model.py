@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from .checkpoint import check_room  # noqa: F401 -- the step calls it
 from .checkpoint import write_atomically, write_failure
-from .errors import UserError
+from .errors import UserError, stop_signals_end_now  # noqa: F401 -- the step calls it
 
 # N ranks vs one process over the same global batch, float32 on the CPU: the same sums in
 # another order (the all-reduced BatchNorm statistics, DDP's averaged gradients). Measured on

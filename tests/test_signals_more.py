@@ -125,6 +125,25 @@ def test_ctrl_c_in_the_teardown_after_main_is_one_line():
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
+def test_sigterm_to_11_under_torchrun_is_said_by_the_step(tmp_path):
+    """A preemption: SIGTERM to torchrun, which forwards it to every rank. The ranks ended by
+    SIGTERM's default action, silently; only torchrun's SignalException traceback followed."""
+    agent = start(torchrun_cmd(2, "11_your_model.py", "--fix", "--steps", 1000,
+                               "--train-samples", 32000, "--out-dir", tmp_path / "out"),
+                  tmp_path)
+    deadline = time.monotonic() + GUARD_S
+    while "11_your_model.py: device=" not in read(agent):  # both ranks are set up
+        assert agent.poll() is None and time.monotonic() < deadline, read(agent)
+        time.sleep(0.05)
+    everyone = descendants(agent.pid)
+    agent.send_signal(signal.SIGTERM)
+    output = finish(agent)
+    one_error_line(output, "SIGTERM received: stopped at once", "(rank ")
+    assert "SIGKILL" not in output, output[-3000:]  # every rank ended by itself
+    assert not frames_of_ours(output), output[-3000:]  # (torchrun's own traceback is its own)
+    assert alive(everyone) == []
+
+
 MARKER_PROBE = "from plumbing import errors; errors.report('the planted error')"
 
 
