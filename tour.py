@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -81,7 +82,40 @@ def command(script: str, distributed: bool, processes: int, extra: list) -> list
     return [*launcher, script, *extra]
 
 
+# What stops the tour: a job's end (SIGTERM, SIGHUP), Ctrl-C or an IDE's stop button (SIGINT).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+running = {}  # the step's process while it runs, and the signal that stopped the tour
+
+
+def run_step(script: str, cmd: list) -> int:
+    """Run one step to its end; its exit code. The step runs in a session of its own, so that
+    a terminal's Ctrl-C reaches the tour alone, which passes it on (once, as to any signal
+    that stops the tour: see stop)."""
+    running["process"] = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    code = running["process"].wait()
+    if "signal" in running:  # the tour was stopped, and so was the step
+        print(f"tour: stopped by {signal.Signals(running['signal']).name} during {script}, "
+              f"which ended too (exit code {code})", file=sys.stderr, flush=True)
+        sys.exit(128 + running["signal"])
+    running.clear()
+    return code
+
+
+def stop(signum, frame) -> None:
+    """A signal to the tour goes to the step it runs, which ends as it ends on that signal
+    (torchrun passes it to its ranks), with its own line; run_step then ends the tour. (The
+    tour used to end at once and leave the step's ranks running.)"""
+    if "process" in running:
+        running.setdefault("signal", signum)
+        running["process"].send_signal(signum)  # (a second one too: the steps take it as "now")
+        return
+    print(f"tour: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
 def main():
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=2048,
@@ -114,7 +148,7 @@ def main():
         cmd = command(script, distributed, processes, step_args)
         shown = ["torchrun", *cmd[3:]] if distributed else ["python", *cmd[1:]]
         print(f"\n=== {step_id(script)}: {idea}\n$ {' '.join(shown)}", flush=True)
-        code = subprocess.run(cmd, cwd=REPO).returncode
+        code = run_step(script, cmd)
         needed = common.torch_needed_by(REPO / script)  # its require_torch("X.Y", ...) line
         if code and needed and common.torch_older_than(needed):
             rows.append((script, idea, next_read, f"needs torch {needed}"))  # it said so

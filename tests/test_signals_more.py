@@ -144,6 +144,34 @@ def test_sigterm_to_11_under_torchrun_is_said_by_the_step(tmp_path):
     assert alive(everyone) == []
 
 
+def ranks_running(tour) -> list[int]:
+    """The pids below the tour once step 02's two ranks train (torchrun + 2), else []."""
+    below = descendants(tour.pid)
+    return below if len(below) >= 3 and "02_manual_ddp.py: device=" in read(tour) else []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_the_tour_stops_its_step(tmp_path, signum):
+    """SIGTERM to the tour (a job's end), or SIGINT to its process alone (an IDE's stop
+    button): the tour used to die at once (SIGTERM) or with a traceback, leaving its step's
+    torchrun and ranks running (both). Now the step gets the signal, ends, and so does the
+    tour, with its line and exit 128 + the signal."""
+    tour = start([sys.executable, "tour.py", "--data", "synthetic", "--samples", "256",
+                  "--test-samples", "64", "--out-dir", tmp_path / "tour"], tmp_path)
+    deadline = time.monotonic() + GUARD_S
+    while not (everyone := ranks_running(tour)):
+        assert tour.poll() is None and time.monotonic() < deadline, read(tour)
+        time.sleep(0.05)
+    tour.send_signal(signum)  # to the tour's process alone
+    output = finish(tour)
+    assert tour.returncode == 128 + signum, output[-3000:]
+    tour_lines = [line for line in output.splitlines() if line.startswith("tour:")]
+    assert len(tour_lines) == 1 and signal.Signals(signum).name in tour_lines[0], output[-3000:]
+    assert "Traceback" not in output.split("$ torchrun")[0], output[-3000:]  # (the tour's)
+    assert not frames_of_ours(output), output[-3000:]
+    assert alive(everyone) == []
+
+
 MARKER_PROBE = "from plumbing import errors; errors.report('the planted error')"
 
 
