@@ -121,17 +121,17 @@ def _launcher_number(names: tuple, default: int) -> int:
         return default
 
 
-def report(message: str) -> None:
+def report(message: str, every_rank: bool = False) -> None:
     """Print `error: <message>` on stderr, from whichever rank met it.
 
     In a world of one, just the line. With several ranks, each rank prints its own error with its
     rank and host: a path missing on node 1 only is then explained on node 1. The same message
     from several ranks of one launch is printed once per machine (the first rank to claim it, by
     creating a marker file in the machine's temporary folder): N ranks meeting the same bad flag
-    print one line, not N.
+    print one line, not N. A line about this rank's own state (every_rank) is printed by each.
     """
     if launcher_world_size() > 1:
-        if not _first_to_say(message):
+        if not every_rank and not _first_to_say(message):
             return
         message = f"{message} (rank {launcher_rank()} on {socket.gethostname()})"
     print(f"error: {message}", file=sys.stderr, flush=True)
@@ -332,11 +332,14 @@ def stopped_by(signum: int) -> str:
 
 
 def say_interrupted(why: str, detail: str = "") -> None:
-    """The one line an interrupt ends with, said once (by the main thread or the watchdog)."""
+    """The one line an interrupt ends with, said once (by the main thread or the watchdog).
+    The watchdog's detail (this rank was stuck) is this rank's own: every rank that was stuck
+    says it. (Once per machine, a rank stuck behind a stalled peer said nothing whenever another
+    rank had said the same words: rank 1 of the stalled-peer test, on a busy machine.)"""
     if _first_last_words():
         leave_message(why)
         report(f"{why}: stopped at once, without a checkpoint (the last one saved is kept)"
-               f"{detail}")
+               f"{detail}", every_rank=bool(detail))
 
 
 def say_peer_failure(explanation: str) -> None:

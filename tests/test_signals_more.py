@@ -207,3 +207,42 @@ def test_a_link_planted_as_the_error_marker_folder_is_not_followed(tmp_path):
     assert len(report_from_two_ranks(ours)) == 1
     folder = ours / f"ddp-tutorial-errors-{os.geteuid()}"
     assert folder.stat().st_mode & 0o777 == 0o700
+
+
+# A rank whose main thread cannot take a signal (as one waiting in a collective for a stalled
+# peer: Python runs no handler there), so that its watchdog ends it, 3 s after a Ctrl-C.
+STUCK_RANK = """
+import signal, time
+from plumbing import errors
+
+def main():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the main thread only
+    print("stuck", flush=True)
+    time.sleep(120)
+
+errors.run_main(main)
+"""
+
+
+def test_every_rank_the_watchdog_ends_says_its_line(tmp_path):
+    """Two ranks of one launch, both stuck when Ctrl-C comes: each says that it did not stop by
+    itself. The line was printed once per machine, so the second rank said nothing (rank 1 of
+    test_ctrl_c_while_a_peer_is_stalled_ends_the_run_in_seconds[torchrun], on a busy machine:
+    it resumed into a wait for its gone peer, and its watchdog said rank 0's words)."""
+    ranks = []
+    for rank in (0, 1):  # (each with its output in a folder of its own)
+        (tmp_path / str(rank)).mkdir()
+        ranks.append(start([sys.executable, "-c", STUCK_RANK], tmp_path / str(rank),
+                           TMPDIR=tmp_path, WORLD_SIZE=2, RANK=rank))
+    for rank in ranks:
+        deadline = time.monotonic() + GUARD_S
+        while "stuck" not in read(rank):
+            assert rank.poll() is None and time.monotonic() < deadline, read(rank)
+            time.sleep(0.05)
+    for rank in ranks:
+        rank.send_signal(signal.SIGINT)
+    for number, rank in enumerate(ranks):
+        output = finish(rank)
+        assert rank.returncode == 130, output[-3000:]
+        one_error_line(output, "interrupted (SIGINT)", "did not stop by itself within 3 s",
+                       f"(rank {number} on ")
