@@ -16,6 +16,7 @@ Read also: common.py (choose_device, seed_everything, plan_batches); in plumbing
 model.py, checkpoint.py, metrics.py (Progress: progress lines, samples/s, the NaN check; test_sums).
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import torch
 import torch.nn.functional as F
 

@@ -22,6 +22,7 @@ size of a small layer's gradient. That is why DDP (step 03) packs gradients into
 Read also: common.py (choose_device: this process's GPU, or the CPU).
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import datetime
 import os

@@ -16,6 +16,7 @@ Read also: common.py (choose_device, seed_everything, plan_batches); plumbing/me
 (Progress, test_sums), plumbing/checkpoint.py.
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import datetime
 import os
 

@@ -19,6 +19,7 @@ Read also: common.py (setup_distributed: step 02's setup; describe_buckets: step
 plumbing/metrics.py (Progress: first_step_seconds).
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 from contextlib import nullcontext
 

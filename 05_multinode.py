@@ -20,6 +20,7 @@ Read also: common.py (setup_distributed, slurm_head_address, slurm_tasks_on_this
 plumbing/data.py (load_datasets: a download on each node, renamed into place).
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 from contextlib import nullcontext

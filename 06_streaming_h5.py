@@ -18,6 +18,7 @@ Read also: plumbing/step06_digits_h5.py (prepare_if_missing, open_checked, strea
 read_rows), common.py (setup_distributed).
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 from contextlib import nullcontext

@@ -20,6 +20,7 @@ Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rn
 ignore_stop_signals, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 from contextlib import nullcontext

@@ -19,6 +19,7 @@ ignore_stop_signals, check_restart_store), plumbing/checkpoint.py (save: atomic;
 And plumbing/step08_fsdp2.py: the one file restored into shards, and what each rank holds.
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 

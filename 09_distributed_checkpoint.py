@@ -20,6 +20,7 @@ ignore_stop_signals, check_restart_store), plumbing/step08_fsdp2.py (what each r
 And plumbing/step09_dcp_checkpoint.py: a folder's atomic commit, the RNG files, export, safe reads.
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 

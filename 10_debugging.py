@@ -45,6 +45,7 @@ and turning those states into the one diagnosis line),
 docs/debugging.md (each tool in depth, what works with gloo and NCCL and what does not).
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import datetime
 import os
 import traceback

@@ -40,6 +40,7 @@ Read also: plumbing/step11_your_model.py (the one-process copy, gathering and co
 docs/your-model.md (each mistake, what torch 2.15.0 says, the numbers measured).
 """
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import os
 import warnings
 from contextlib import nullcontext

@@ -16,6 +16,7 @@ that fails stops the tour with its exit code, except a step that refuses this to
 
 from __future__ import annotations
 
+import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import json
 import signal

@@ -246,3 +246,40 @@ def test_every_rank_the_watchdog_ends_says_its_line(tmp_path):
         assert rank.returncode == 130, output[-3000:]
         one_error_line(output, "interrupted (SIGINT)", "did not stop by itself within 3 s",
                        f"(rank {number} on ")
+
+
+def loading_torch(pids) -> bool:
+    """One of these processes is inside `import torch`: its C library is mapped (the import
+    goes on for a second or more after that, through torch's Python modules)."""
+    for pid in pids:
+        try:
+            if "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text():
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return False
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_ctrl_c_while_torch_loads_is_one_line(tmp_path, launcher):
+    """A Ctrl-C in the first seconds, while the step imports torch: a 37-line KeyboardInterrupt
+    traceback through importlib, from the step or from each of torchrun's workers."""
+    args = ["--data", "synthetic", "--epochs", "1", "--out-dir", str(tmp_path / "out")]
+    if launcher == "python":
+        proc = start([sys.executable, "00_single_gpu.py", *args], tmp_path)
+        loaders = lambda: [proc.pid]  # noqa: E731
+    else:
+        proc = start(torchrun_cmd(2, "02_manual_ddp.py", *args), tmp_path)
+        loaders = lambda: descendants(proc.pid)  # noqa: E731 -- torchrun's workers
+    deadline = time.monotonic() + GUARD_S
+    while not loading_torch(loaders()):
+        assert proc.poll() is None and time.monotonic() < deadline, read(proc)
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)  # (torchrun passes it to its workers)
+    output = finish(proc)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors and all(line.startswith("error: interrupted (SIGINT): stopped at once, "
+                                          "while starting") for line in errors), output[-3000:]
+    assert not frames_of_ours(output) and "importlib" not in output, output[-3000:]
+    if launcher == "python":
+        assert proc.returncode == 130 and len(errors) == 1, output[-3000:]
