@@ -260,6 +260,7 @@ def main():
                         "loss is below LOSS (default 10: after the first epoch)")
     # Small and quick: each bug shows within seconds (a CPU laptop, 2 processes). Sized for N
     # ranks: 8 samples per rank and step, 4 steps per rank, and one sample more for rank 0.
+    flags.check_launcher_variables(parser)  # before WORLD_SIZE is read here
     n = int(os.environ.get("WORLD_SIZE", 1))
     parser.set_defaults(timeout=10, data="synthetic", train_samples=32 * n + 1,
                         test_samples=10 * n + 1, batch_size=8 * n, epochs=2, quiet=True)

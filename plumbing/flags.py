@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 from pathlib import Path
 
 from .errors import report
@@ -68,6 +69,12 @@ def check_lr_scaling(parser: Parser, args) -> None:
 # them in setup() as whole numbers. Plain python sets none: a world of one.
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "MASTER_PORT")
+# Counts SLURM and torchrun set, read as whole numbers too: the tasks of an srun (errors.report,
+# 05-09's use_srun_identity), and the restarts (07-09's fault_tolerance.restarted()).
+COUNTS = ("SLURM_STEP_NUM_TASKS", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+# What use_srun_identity reads when srun started 2 tasks or more without torchrun (no RANK).
+SRUN_IDENTITY = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID",
+                 "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
 
 
 def check_launcher_variables(parser: Parser) -> None:
@@ -75,15 +82,21 @@ def check_launcher_variables(parser: Parser) -> None:
     int()), a RANK not below WORLD_SIZE or a MASTER_PORT above 65535 (a group that never forms)
     is one line and exit 2 here, before any work. Usually left over in a shell or a job script."""
     env = os.environ
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "1")
+    srun = "RANK" not in env and tasks.isdigit() and int(tasks) > 1  # 05-09 read SRUN_IDENTITY
     numbers = {}
-    for name in LAUNCHER_VARIABLES:
+    for name in LAUNCHER_VARIABLES + COUNTS + (SRUN_IDENTITY[:4] if srun else ()):
         text = env.get(name)
         if text is None:
             continue
         try:
             numbers[name] = int(text)
         except ValueError:
-            refuse(parser, f"{name}={text!r} is not a whole number")
+            refuse(parser, f"{name}={text!r} is not a whole number", name)
+    if srun and any(name not in env for name in SRUN_IDENTITY):
+        missing = next(name for name in SRUN_IDENTITY if name not in env)
+        refuse(parser, f"SLURM_STEP_NUM_TASKS={tasks} says srun started {tasks} tasks, but "
+                       f"{missing} is not set (srun sets both)", "SLURM_STEP_NUM_TASKS")
     world = numbers.get("WORLD_SIZE", 1)
     local_world = numbers.get("LOCAL_WORLD_SIZE", 1)
     of_world, of_node = f" (WORLD_SIZE={world})", f" (LOCAL_WORLD_SIZE={local_world})"
@@ -92,19 +105,54 @@ def check_launcher_variables(parser: Parser) -> None:
         ("LOCAL_WORLD_SIZE", 1, world, of_world), ("LOCAL_RANK", 0, local_world - 1, of_node),
         ("GROUP_RANK", 0, world - 1, of_world),  # the node's rank: fewer nodes than ranks
         ("MASTER_PORT", 0, 65535, "") if world == 1  # 0: any free port, for a world of one
-        else ("MASTER_PORT", 1, 65535, of_world)]
+        else ("MASTER_PORT", 1, 65535, of_world),
+        *[(name, 0, None, "") for name in COUNTS],
+        ("SLURM_PROCID", 0, numbers.get("SLURM_STEP_NUM_TASKS", 1) - 1,
+         f" (SLURM_STEP_NUM_TASKS={tasks})")]
     for name, lowest, highest, source in limits:
         value = numbers.get(name)
         if value is None or (value >= lowest and (highest is None or value <= highest)):
             continue
         allowed = (f"at least {lowest}" if highest is None else f"{lowest}" if lowest == highest
                    else f"from {lowest} to {highest}")
-        refuse(parser, f"{name}={value} is out of range: it must be {allowed}{source}")
+        refuse(parser, f"{name}={value} is out of range: it must be {allowed}{source}", name)
+    check_launched(parser, world, numbers)
 
 
-def refuse(parser: Parser, problem: str) -> None:
-    report(f"{parser.prog}: the launcher variable {problem} (torchrun sets it for each process; "
-           f"unset it to run with plain python)")
+def check_launched(parser: Parser, world: int, numbers: dict) -> None:
+    """Without torchrun, WORLD_SIZE and RANK come from the shell. A WORLD_SIZE above 1 without
+    MASTER_PORT cannot form a group (each rank would pick its own free port): left over, so
+    refused at once, not after --timeout. And the process that hosts the group's store (rank 0
+    without torchrun, whose agent hosts it) needs MASTER_PORT free."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    if world > 1 and "MASTER_PORT" not in os.environ:
+        refuse(parser, f"WORLD_SIZE={world} asks for {world} processes, but no launcher started "
+                       f"this one (torchrun sets MASTER_PORT with it): left over in the shell",
+               "WORLD_SIZE")
+    port = numbers.get("MASTER_PORT", 0)
+    forms_group = parser.prog != "00_single_gpu.py"  # 00 trains alone: it never reads the port
+    if port and forms_group and numbers.get("RANK", 0) == 0 and not port_is_free(port):
+        refuse(parser, f"MASTER_PORT={port} is in use on this machine: rank 0 hosts the "
+                       f"group's store there; choose a free port", "MASTER_PORT")
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a TCP server could listen on `port` on every address, as torch's store does."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def refuse(parser: Parser, problem: str, name: str = "") -> None:
+    setter = ("SLURM sets it in a job" if name.startswith("SLURM_") else
+              "torchrun sets it for each process")
+    report(f"{parser.prog}: the launcher variable {problem} ({setter}; unset it to run with "
+           f"plain python)")
     raise SystemExit(2)
 
 

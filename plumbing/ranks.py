@@ -7,6 +7,7 @@ They live here, below common.py, so that the package never imports from the root
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import torch
@@ -25,8 +26,17 @@ def join_group(backend: str, rank: int, world_size: int, timeout_s: float,
     that waited say which ranks they waited for, instead of blaming a crashed peer.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                                   timeout=timeout))
+    try:
+        store, rank, world_size = next(dist.rendezvous("env://", rank=rank,
+                                                       world_size=world_size, timeout=timeout))
+    except RuntimeError:  # the store's wait for the other ranks (DistStoreError) timed out
+        if by_hand(world_size):
+            raise PeerFailure(f"waited {timeout_s:g} s (--timeout) for the other ranks of "
+                              f"WORLD_SIZE={world_size} at MASTER_PORT="
+                              f"{os.environ.get('MASTER_PORT')}; none came. WORLD_SIZE and "
+                              f"RANK={rank} were set by hand, not by torchrun: if they are left "
+                              f"over in the shell, unset them") from None
+        raise
     store.set_timeout(timeout)
     store = dist.PrefixStore("default_pg", store)  # the prefix init_process_group would add
     store.set(f"{STORE_PREFIX}/joined/{rank}", socket.gethostname())
@@ -46,6 +56,11 @@ def join_group(backend: str, rank: int, world_size: int, timeout_s: float,
                           f"{', '.join(map(str, missing))} to join the group; they never did: "
                           f"their own output says why (an error on their node)") from None
     remember_store(store)
+
+
+def by_hand(world_size: int) -> bool:
+    """A world of several processes that neither torchrun nor srun started."""
+    return world_size > 1 and not {"TORCHELASTIC_RUN_ID", "SLURM_PROCID"} & set(os.environ)
 
 
 def log(run, message: str) -> None:

@@ -10,6 +10,8 @@ import errno
 import os
 import re
 import runpy
+import socket
+import subprocess
 import sys
 import uuid
 
@@ -18,7 +20,8 @@ import torch
 
 import common
 from plumbing import checkpoint, data
-from conftest import REPO, assert_no_traceback, launch, run_step, saved_checkpoint, write_idx
+from conftest import (REPO, assert_no_traceback, base_env, launch, run_step, saved_checkpoint,
+                      write_idx)
 
 TINY = ["--data", "synthetic", "--train-samples", 96, "--test-samples", 50, "--batch-size", 48,
         "--epochs", 1]
@@ -538,3 +541,75 @@ def test_mnist_files_that_make_no_sense_are_one_clear_error(tmp_path, defect, ex
     with pytest.raises(common.UserError, match=re.escape(expected)) as error:
         data.read_mnist(root)
     assert str(root / "MNIST" / "raw") in str(error.value)
+
+
+# ---------------------------------------------------------------- leftover launcher variables
+# Issue 43, 5: SLURM's and torchrun's counts, read as numbers by 05-09 and errors.report, and a
+# WORLD_SIZE left over without a launcher, are one line naming the variable before any work.
+LEFTOVER_VARIABLES = [  # (step, variables, what the one line must say)
+    ("05", {"SLURM_STEP_NUM_TASKS": "2"}, "SLURM_STEP_NUM_TASKS=2 says srun started 2 tasks, "
+                                          "but SLURM_PROCID is not set"),
+    ("06", {"SLURM_STEP_NUM_TASKS": "x"}, "SLURM_STEP_NUM_TASKS='x' is not a whole number"),
+    ("07", {"SLURM_RESTART_COUNT": "abc"}, "SLURM_RESTART_COUNT='abc' is not a whole number "
+                                           "(SLURM sets it in a job"),
+    ("09", {"TORCHELASTIC_RESTART_COUNT": "x"}, "TORCHELASTIC_RESTART_COUNT='x' is not a whole "
+                                                "number (torchrun sets it"),
+    ("10", {"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number"),
+    ("07", {"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 asks for 2 processes, but no "
+                                             "launcher started this one"),
+    ("08", {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0", "SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node1",
+            "SLURM_STEP_TASKS_PER_NODE": "2"},
+     "SLURM_PROCID=2 is out of range: it must be from 0 to 1 (SLURM_STEP_NUM_TASKS=2)"),
+]
+
+
+@pytest.mark.parametrize("step, variables, expected", LEFTOVER_VARIABLES,
+                         ids=[f"{s}-{'-'.join(v)}"[:60] for s, v, _ in LEFTOVER_VARIABLES])
+def test_a_leftover_launcher_variable_is_one_line_before_any_work(step, variables, expected,
+                                                                  tmp_path, monkeypatch, capsys):
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "TORCHELASTIC_"))] + [
+            "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    arguments = ["--fix"] if step == "10" else []
+    expect_refused_when_parsed(step, arguments, expected, tmp_path, monkeypatch, capsys)
+
+
+def test_a_busy_master_port_is_one_line_for_a_world_of_one(tmp_path):
+    """Rank 0 hosts the group's store at MASTER_PORT: a port in use was DistNetworkError's
+    traceback (03: a world of one, plain python)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_step("03_ddp_wrapper.py", [*TINY, "--out-dir", tmp_path], check=False,
+                        env_extra={"MASTER_PORT": port})
+    assert proc.returncode == 2
+    expect_one_error_line(proc, f"the launcher variable MASTER_PORT={port} is in use on this "
+                                f"machine")
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_world_size_and_rank_by_hand_form_a_group_and_a_lone_one_names_them(tmp_path):
+    """WORLD_SIZE, RANK and MASTER_PORT set by hand (no torchrun) are a legitimate launch: two
+    processes train together. One alone waits --timeout, then names the variables set by hand
+    (it said only that a collective timed out)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = [sys.executable, "05_multinode.py", *map(str, TINY), "--timeout", "30"]
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    peer = subprocess.Popen([*args, "--out-dir", str(tmp_path / "pair")], cwd=REPO,
+                            env=base_env(**env, RANK=1), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    rank0 = launch([*args, "--out-dir", str(tmp_path / "pair")], env=base_env(**env, RANK=0))
+    out, err = peer.communicate(timeout=120)
+    assert peer.returncode == 0, err[-3000:]
+    assert "world_size=2" in rank0.stdout and "test accuracy" in rank0.stdout
+    alone = run_step("05_multinode.py", [*TINY, "--timeout", 3, "--out-dir", tmp_path / "alone"],
+                     check=False, env_extra={**env, "RANK": 0})
+    assert alone.returncode == 3
+    expect_one_error_line(alone, "waited 3 s (--timeout) for the other ranks of WORLD_SIZE=2",
+                          "WORLD_SIZE and RANK=0 were set by hand, not by torchrun", "unset them")
