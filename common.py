@@ -50,6 +50,24 @@ def torch_older_than(version: str) -> bool:
     return numbers(torch.__version__) < numbers(version)
 
 
+SUPPORTED_FROM = "2.8"  # README, "Versions"; requirements.txt's floor
+
+
+def warn_of_unsupported_torch() -> None:
+    """One warning line at start (rank 0) on a torch older than the supported range, and the
+    run goes on: the steps compute the same on 2.7, and what can go wrong, a hang in
+    destroy_process_group, comes at the very end (README, "Versions"). A refusal would stop a
+    learner whose cluster has nothing newer, for a hang that came in 2 of 6 runs."""
+    if torch_older_than(SUPPORTED_FROM) and os.environ.get("RANK", "0") == "0":
+        print(f"warning: torch {torch.__version__} is older than {SUPPORTED_FROM}, the oldest "
+              f"supported: a step can hang at its very end, in destroy_process_group (README, "
+              f"\"Versions\"); pip install 'torch>={SUPPORTED_FROM}' and its torchvision",
+              file=sys.stderr, flush=True)
+
+
+warn_of_unsupported_torch()  # every step imports this file first
+
+
 def torch_needed_by(script) -> str | None:
     """The version a step's require_torch(...) line asks for, or None (tour.py reads it)."""
     found = re.search(r'require_torch\("([\d.]+)"', Path(script).read_text())

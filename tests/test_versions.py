@@ -62,3 +62,23 @@ def test_gloo_takes_a_cpu_device_id_and_averages_and_a_world_of_one_rebuilds_buc
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rebuilt: 1" in proc.stdout, proc.stdout
+
+
+def test_an_unsupported_torch_is_one_warning_line_at_start_and_the_run_goes_on(tmp_path, capsys):
+    """Torch 2.7 (unsupported: a step can hang at its very end) ran 00-07 without a word. Here
+    the step runs with torch.__version__ set to 2.7.1 before it imports common; this torch
+    itself is silent."""
+    common.warn_of_unsupported_torch()
+    assert capsys.readouterr().err == ""
+    as_2_7 = ("import runpy, sys, torch; torch.__version__ = '2.7.1'; sys.argv = sys.argv[1:]; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", as_2_7, "00_single_gpu.py", "--data", "synthetic",
+                           "--train-samples", "256", "--test-samples", "64", "--epochs", "1",
+                           "--out-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "warning: torch 2.7.1 is older than 2.8, the oldest supported: a step can hang at its "
+        "very end, in destroy_process_group (README, \"Versions\"); pip install 'torch>=2.8' "
+        "and its torchvision"], proc.stderr
+    assert "test accuracy" in proc.stdout
