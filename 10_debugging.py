@@ -73,9 +73,12 @@ def turn_on_tools() -> None:
     diagnosed. With TORCH_NCCL_BLOCKING_WAIT=1 there is no such abort; a timed-out collective
     raises in the thread that waits for it, like gloo's. Both NCCL backends of torch 2.15 read
     it: ProcessGroupNCCL.hpp (TORCH_NCCL_BLOCKING_WAIT) and nccl2/ProcessGroupNCCL.hpp
-    (blocking_wait_: "Blocking wait has no watchdog"). gloo ignores it."""
+    (blocking_wait_: "Blocking wait has no watchdog"). gloo ignores it.
+    The Flight Recorder's 2000 entries are torch 2.15's default, but 0 (off) on older torch:
+    on 2.8-2.10 gloo recorded nothing unless TORCH_FR_BUFFER_SIZE was set (docs/tests.md)."""
     os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 
 
 def setup(args):
@@ -267,13 +270,13 @@ def main():
     args = parser.parse_args()
     if args.lr_scaling != "none":  # a shared flag, but this step has no learning-rate schedule
         parser.error("--lr-scaling: 10_debugging.py trains at a fixed --lr (steps 00-09 scale)")
+    recorder = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000 (default)")  # before turn_on_tools
     check_the_bug_shows(args, n)  # before any work starts
     turn_on_tools()
     debug.check_room(args.out_dir)  # where the records go: a full disk is one line now
     run, checked = setup(args)
     train_set, test_set = data.load_datasets(args, run, download=run.is_main)
     plan = common.plan_batches(args, run.world_size, len(train_set))
-    recorder = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000 (default)")
     common.log(run, f"10_debugging.py: world_size={run.world_size} "
                     f"{'bug=' + args.bug if args.bug else 'fixed'} timeout={args.timeout:g}s "
                     f"backend={debug.serving_backend()} "

@@ -11,8 +11,10 @@ of the Flight Recorder to read for each backend (NCCL cannot run here).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import re
+import runpy
 
 import pytest
 from conftest import REPO, assert_no_traceback, run_step
@@ -287,3 +289,17 @@ def test_waiting_for_the_gpu_gives_up_after_the_timeout():
     debug.wait_until_done(Done(), 0.1)
     with pytest.raises(RuntimeError, match="did not finish within 0.2 s"):
         debug.wait_until_done(Never(), 0.2)
+
+
+def test_the_step_turns_the_flight_recorder_on_where_torch_keeps_it_off(monkeypatch):
+    """torch 2.8 to 2.10 keep no entries unless TORCH_FR_BUFFER_SIZE is set (gloo recorded
+    nothing: "last collectives: none", .ci/every_torch.sh); 2.15 keeps 2000. Step 10 asks for
+    2000, and leaves a value the user set alone."""
+    step = runpy.run_path(str(REPO / "10_debugging.py"))  # its functions; main() does not run
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_BLOCKING_WAIT"):
+        monkeypatch.delenv(name, raising=False)  # (restored after the test)
+    step["turn_on_tools"]()
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
+    step["turn_on_tools"]()
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50"
