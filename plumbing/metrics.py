@@ -23,6 +23,7 @@ from .checkpoint import write_atomically, write_failure
 from .errors import UserError
 from .flops import peak_flops, training_flops_per_sample
 from .ranks import log
+from .step07_fault_tolerance import claim_out_dir
 
 CHECK_EVERY = 10  # steps between loss checks: each is a host-device sync (and a collective)
 TERMINAL_SECONDS = 0.5  # how often a terminal's live line is redrawn
@@ -203,6 +204,9 @@ class Metrics:
         # The model's training FLOPs per sample, counted once (flops.py): samples/s per rank
         # times this is the arithmetic each rank achieves, which MFU compares with its peak.
         self.flops_per_sample = training_flops_per_sample(args)
+        # Before the first file is written there: one run at a time in an --out-dir (07-09 have
+        # claimed theirs already; see claim_out_dir).
+        claim_out_dir(args.out_dir, run)
         if run.is_main:
             self.writer = open_tensorboard(args.out_dir)  # on a full disk: one line, here
 

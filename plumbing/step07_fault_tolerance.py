@@ -7,6 +7,7 @@ is written here, beside the code.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import os
@@ -151,6 +152,7 @@ def adopted(latest: Path, saved: dict | None, settings: dict, run) -> Path | Non
 
 
 _out_dir_lock = None  # the lock's descriptor, open for the life of the process: closing unlocks
+_claimed = set()  # the --out-dirs this process has claimed
 
 
 def claim_out_dir(out_dir: Path, run) -> None:
@@ -159,20 +161,31 @@ def claim_out_dir(out_dir: Path, run) -> None:
     exclusive lock on <out-dir>/.lock for as long as it lives; the kernel releases it when the
     process ends, however it ends, so a restart or a requeue is never locked out. A second run
     is refused, on every rank, in one line naming the first.
-    (Where the filesystem has no locks, some Lustre mounts, nothing is checked.)"""
-    holder = None
+    (Where the filesystem has no locks, some Lustre mounts, nothing is checked.)
+    Steps 00-06 claim theirs when metrics.Metrics starts; a second call is a no-op."""
+    if Path(out_dir).absolute() in _claimed:  # (every rank records it: all return here)
+        return
+    holder, problem = None, None
     if run.is_main:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             holder = lock_for_life(out_dir / ".lock")
-        except (ImportError, OSError):
+        except OSError as err:
+            if err.errno == errno.ELOOP:  # a symbolic link: never written through
+                problem = (f"{out_dir / '.lock'} is a symbolic link; not writing through it. "
+                           f"Remove it (a run makes it a plain file)")
+        except ImportError:
             pass  # no locks here, or no --out-dir yet: writing there will say why
-    said = [holder]
-    dist.broadcast_object_list(said, src=0)
+    said = [holder, problem]
+    if dist.is_initialized():
+        dist.broadcast_object_list(said, src=0)
+    if said[1]:
+        raise UserError(said[1])
     if said[0]:
         raise UserError(f"--out-dir {out_dir} is in use by another run ({said[0]}): two runs "
                         f"in one --out-dir would replace each other's checkpoints. Give each "
                         f"run its own --out-dir")
+    _claimed.add(Path(out_dir).absolute())
 
 
 def lock_for_life(path: Path) -> str | None:
@@ -182,10 +195,13 @@ def lock_for_life(path: Path) -> str | None:
     being remounted read-only (mount says "busy"). NFS emulates flock with POSIX locks, which
     need a writable descriptor: there, lockf on one. Forked children (DataLoader workers)
     close their copy: a worker that outlives a killed rank 0 by a second must not hold the
-    lock against its restart."""
+    lock against its restart.
+    Every open is O_NOFOLLOW: a symbolic link planted as .lock would have us write the holder's
+    line into whatever it names (ELOOP instead: claim_out_dir refuses)."""
     import fcntl  # (POSIX)
     global _out_dir_lock
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | nofollow, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -193,14 +209,17 @@ def lock_for_life(path: Path) -> str | None:
             raise
         except OSError:  # EBADF: flock emulated by POSIX locks (NFS)
             os.close(fd)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except (BlockingIOError, PermissionError):  # (EAGAIN or EACCES: held)
         os.close(fd)
-        return path.read_text().strip() or "a process"
+        with open(os.open(path, os.O_RDONLY | nofollow), encoding="utf-8",
+                  errors="replace") as f:
+            return f.read(200).strip() or "a process"
     _out_dir_lock = fd
     os.register_at_fork(after_in_child=lambda: os.close(fd))
-    path.write_text(f"process {os.getpid()} on {socket.gethostname()}\n")  # (closed again)
+    with open(os.open(path, os.O_WRONLY | os.O_TRUNC | nofollow), "w") as f:  # (closed again)
+        f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
     return None
 
 

@@ -386,3 +386,60 @@ def test_09_a_folder_or_link_it_cannot_create_is_one_line_and_loses_nothing(tmpf
     assert os.readlink(disk / "checkpoint") == "checkpoint-a"
     for folder in "abd":  # the link's, and the two whose commit failed: complete
         dcp_checkpoint.complete_folder(disk / f"checkpoint-{folder}")
+
+
+# ---------------------------------------------------------------- issue 43: files outside the run
+VICTIM = b"a file outside the run, which no run may write\n"
+
+
+def victim(tmp_path: Path) -> Path:
+    """A file outside the --out-dir that a planted link points to."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_bytes(VICTIM)
+    return outside / "victim"
+
+
+@pytest.mark.parametrize("script", ["03_ddp_wrapper.py", "07_fault_tolerance.py"])
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, script):
+    """07 wrote "process N on HOST" through <out-dir>/.lock when it was a symbolic link; 03 takes
+    the same lock now (metrics.Metrics claims the --out-dir for steps 00-06)."""
+    target = victim(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".lock").symlink_to(target)
+    proc = run_step(script, [*SMALL_RUN, "--out-dir", out], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_no_traceback(proc)
+    assert error_lines(proc) == [f"error: {out / '.lock'} is a symbolic link; not writing "
+                                 f"through it. Remove it (a run makes it a plain file)"]
+    assert target.read_bytes() == VICTIM
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no checkpoint, no summary
+
+
+
+def test_two_runs_of_steps_00_06_in_one_out_dir_are_refused_in_one_line(tmp_path):
+    """07-09 refused a second run in their --out-dir; 00-06 let two runs overwrite each other's
+    checkpoint and summary. The first run holds the lock while it trains; the second is
+    refused before it writes anything."""
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "03_ddp_wrapper.py", *map(str, SMALL_RUN),
+                              "--epochs", "1000", "--out-dir", str(out)], cwd=REPO,
+                             env=base_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        while not (out / "checkpoint.pt").exists():  # training, past its start-up
+            assert first.poll() is None, first.stderr.read()[-3000:]
+            time.sleep(0.05)
+        holder = f"process {first.pid} on {socket.gethostname()}"
+        second = run_step("00_single_gpu.py", [*SMALL_RUN, "--out-dir", out], check=False)
+        assert first.poll() is None, "the first run ended before the second was refused"
+    finally:
+        first.kill()
+        first.communicate()
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert_no_traceback(second)
+    assert error_lines(second) == [
+        f"error: --out-dir {out} is in use by another run ({holder}): two runs in one "
+        f"--out-dir would replace each other's checkpoints. Give each run its own --out-dir"]
+    assert "epoch 1" not in second.stdout
