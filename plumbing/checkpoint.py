@@ -9,8 +9,10 @@ rank's random state.
 from __future__ import annotations
 
 import errno
+import glob
 import math
 import os
+import secrets
 import shutil
 import socket
 from pathlib import Path
@@ -58,9 +60,9 @@ def write_atomically(path: Path, write) -> None:
     profiler's summaries) goes through here.
     """
     remove_dead_temporaries(path)
-    tmp = temporary_name(path)
+    tmp, fd = create_temporary(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:  # (the descriptor create_temporary opened)
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -85,17 +87,33 @@ def discard(path: Path) -> None:
 
 
 def temporary_name(path: Path) -> Path:
-    """`.<name>.<host>.<pid>.tmp` beside `path`: two writers (two runs, or two nodes on a shared
-    filesystem) never write into the same temporary file."""
-    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    """`.<name>.<host>.<pid>.<random>.tmp` beside `path`: two writers (two runs, or two nodes on
+    a shared filesystem) never write into the same temporary file, and the random part keeps
+    anyone from planting a link under the name before we create it (see create_temporary)."""
+    return path.with_name(f"{temporary_prefix(path)}{os.getpid()}.{secrets.token_hex(8)}.tmp")
+
+
+def temporary_prefix(path: Path) -> str:
+    return f".{path.name}.{socket.gethostname()}."
+
+
+def create_temporary(path: Path) -> tuple[Path, int]:
+    """A new temporary file for `path`, open for writing: (its name, its descriptor). O_EXCL and
+    O_NOFOLLOW: the file is created here, never one that exists, and never through a symbolic
+    link (one planted under the name would otherwise send the checkpoint wherever it points)."""
+    tmp = temporary_name(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    return tmp, os.open(tmp, flags, 0o666)  # (the umask applies, as for open())
 
 
 def remove_dead_temporaries(path: Path) -> None:
-    """Remove the temporary files of `path` that processes of this machine, now dead, left."""
-    for tmp in path.parent.glob(f".{path.name}.{socket.gethostname()}.*.tmp"):
-        pid = tmp.name.rsplit(".", 2)[-2]
+    """Remove the temporary files of `path` that processes of this machine, now dead, left
+    (`<prefix><pid>.tmp` too, the name before the random part; a host name may hold dots)."""
+    prefix = temporary_prefix(path)
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = tmp.name[len(prefix):].split(".")[0]
         if pid.isdigit() and not process_exists(int(pid)):
-            discard(tmp)
+            discard(tmp)  # (a link is removed, never what it points to)
 
 
 def process_exists(pid: int) -> bool:

@@ -417,6 +417,33 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path
     assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no checkpoint, no summary
 
 
+def test_a_link_planted_at_the_temporary_name_is_not_written_through(tmp_path):
+    """The temporary file of a save was `.<name>.<host>.<pid>.tmp`, and the pid is the one that
+    <out-dir>/.lock prints: a link planted under that name before the save made the checkpoint
+    (and summary.json) go wherever it pointed. Planted here before the step even starts."""
+    target = victim(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "00_single_gpu.py", *map(str, SMALL_RUN),
+                             "--out-dir", str(out)], cwd=REPO, env=base_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    planted = [out / f".{name}.{socket.gethostname()}.{proc.pid}.tmp"
+               for name in ("checkpoint.pt", "summary.json")]
+    for link in planted:
+        link.symlink_to(target)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert target.read_bytes() == VICTIM
+    for name in ("checkpoint.pt", "summary.json"):
+        assert (out / name).is_file() and not (out / name).is_symlink()
+    assert checkpoint.load(out / "checkpoint.pt")["epoch"] == 1
+    assert all(link.is_symlink() for link in planted)  # left alone while their process ran
+    # The process is gone: the next save removes what is left under its name (the link, never
+    # what it points to), as it removes a killed save's temporary file.
+    _, state = saved_checkpoint(tmp_path / "outside")
+    checkpoint.save(out / "checkpoint.pt", *state, 3)
+    assert not planted[0].is_symlink() and target.read_bytes() == VICTIM
+
 
 def test_two_runs_of_steps_00_06_in_one_out_dir_are_refused_in_one_line(tmp_path):
     """07-09 refused a second run in their --out-dir; 00-06 let two runs overwrite each other's
