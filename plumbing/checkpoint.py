@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError, first_line
-from .flags import EPOCHS_LIMIT, STEPS_LIMIT
+from .flags import EPOCHS_LIMIT, STEPS_LIMIT, unreadable
 from .ranks import log
 
 REQUIRED = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int}
@@ -162,10 +162,13 @@ def load(path: Path) -> dict:
     """
     if path.is_dir():
         raise UserError(f"checkpoint {path} is a folder, not a file: {folder_hint(path)}")
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist")
+    problem = unreadable(path)  # missing, a FIFO, a device, not ours to read
+    if problem:
+        raise UserError(f"checkpoint {path} {problem}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except PermissionError as err:  # (os.access said yes, the open did not: ACLs, ...)
+        raise UserError(f"checkpoint {path} cannot be read ({err.strerror})") from None
     except Exception as err:  # noqa: BLE001 -- truncated zip, pickle error, ...
         raise UserError(f"checkpoint {path} is corrupt or not a checkpoint "
                         f"({type(err).__name__}: {first_line(err, 120)})") from None

@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 import socket
+import stat
 from pathlib import Path
 
 from .errors import report
@@ -197,7 +198,10 @@ def positive_float(what: str, highest: float = 1e4, lowest: float | None = None)
 
 
 def writable_dir(text: str) -> Path:
-    """A folder we can write to, created if missing: found now, not after an hour of training."""
+    """A folder we can write to, created if missing: found now, not after an hour of training.
+    An empty path is refused: Path("") is the current folder (the repository, say)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path is not a folder; name one")
     path = Path(text)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -211,6 +215,8 @@ def writable_dir(text: str) -> Path:
 def writable_file(text: str) -> Path:
     """A file we can write at the end (a benchmark's table): its folder is checked now, so that
     half an hour of measurements is not lost to a typo in the path."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path is not a file; name one")
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; name the file to write")
@@ -221,10 +227,35 @@ def writable_file(text: str) -> Path:
 
 
 def existing_path(text: str) -> Path:
+    """A file or folder that is there and that we may read (a checkpoint, or 09's folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path names nothing; name a checkpoint")
     path = Path(text)
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    problem = unreadable(path)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text} {problem}")
     return path
+
+
+def unreadable(path: Path) -> str | None:
+    """Why `path` cannot be read as a file or a folder, in words, or None: missing, something
+    else than a file (a FIFO would block the read forever, /dev/null reads as empty), or not
+    ours to read (os.access: the real user's rights, which is who runs a step)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as err:  # a folder on the way we may not enter, a loop of links, ...
+        return f"cannot be reached ({err.strerror})"
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+                "a character device" if stat.S_ISCHR(mode) else
+                "a block device" if stat.S_ISBLK(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        return f"is {kind}, not a checkpoint file or folder"
+    if not os.access(path, os.R_OK | (os.X_OK if stat.S_ISDIR(mode) else 0)):
+        return "cannot be read (permission denied)"
+    return None
 
 
 # ---------------------------------------------------------------- the shared flags

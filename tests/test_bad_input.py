@@ -147,6 +147,9 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("00", ["--device", "gpu"], "invalid choice: 'gpu'"),
     ("00", ["--data", "imagenet"], "invalid choice: 'imagenet'"),
     ("00", ["--resume", "/nonexistent/checkpoint.pt"], "does not exist"),
+    # Issue 43: what it is, not "does not exist" (or a read that would block forever)
+    ("00", ["--resume", "/dev/null"], "/dev/null is a character device, not a checkpoint"),
+    ("09", ["--resume", ""], "an empty path names nothing"),
     ("03", ["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a finite number above 0"),
     ("02b", ["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a finite number above 0"),
     ("04", ["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a finite number above 0"),
@@ -541,6 +544,55 @@ def test_mnist_files_that_make_no_sense_are_one_clear_error(tmp_path, defect, ex
     with pytest.raises(common.UserError, match=re.escape(expected)) as error:
         data.read_mnist(root)
     assert str(root / "MNIST" / "raw") in str(error.value)
+
+
+# ---------------------------------------------------------------- issue 43: odd paths
+def test_an_empty_out_dir_is_refused_and_nothing_lands_in_the_current_folder(
+        tmp_path, monkeypatch, capsys):
+    """Path("") is the current folder: a run wrote .lock, checkpoint.pt and summary.json into
+    the repository."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(data, "load_datasets", lambda *a, **k: pytest.fail("got past the flags"))
+    monkeypatch.setattr(sys, "argv", ["00_single_gpu.py", "--out-dir", ""])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "00_single_gpu.py"), run_name="__main__")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--out-dir: an empty path is not a folder" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fifo_given_as_checkpoint_is_named_a_fifo(tmp_path, monkeypatch, capsys):
+    """Read, it would block forever; it was called "does not exist"."""
+    fifo = tmp_path / "checkpoint.pt"
+    os.mkfifo(fifo)
+    monkeypatch.delenv("RANK", raising=False)
+    expect_refused_when_parsed("07", ["--resume", str(fifo)],
+                               f"{fifo} is a FIFO (named pipe), not a checkpoint", tmp_path / "out",
+                               monkeypatch, capsys)
+    with pytest.raises(common.UserError, match="is a FIFO"):  # the same, where it is loaded
+        checkpoint.load(fifo)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"),
+                    reason="needs root, to drop the right to read every file")
+def test_a_checkpoint_the_user_may_not_read_is_named_so_not_corrupt(good_checkpoint, tmp_path):
+    """A real unreadable file: owned by nobody, mode 0600, and the step runs as root without
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (setpriv), so the kernel refuses the read as it
+    would to any other user. (As nobody itself the step cannot start here: the interpreter lies
+    under /root, mode 0700.)"""
+    private = tmp_path / "checkpoint.pt"
+    private.write_bytes(good_checkpoint.read_bytes())
+    os.chown(private, 65534, 65534)
+    private.chmod(0o600)
+    proc = launch(["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all",
+                   sys.executable, "00_single_gpu.py", *map(str, TINY), "--resume", str(private),
+                   "--out-dir", str(tmp_path / "out")], check=False)
+    assert proc.returncode == 2
+    line = expect_one_error_line(proc, f"{private} cannot be read (permission denied)")
+    assert "corrupt" not in line
+    assert checkpoint.load(private)["epoch"] == 1  # it is whole: root reads it
+
 
 
 # ---------------------------------------------------------------- leftover launcher variables
