@@ -76,6 +76,8 @@ def load_datasets(args, run, download: bool) -> tuple[Digits, Digits]:
     mnist_dir = args.data_dir / "MNIST" / "raw"
     if args.data != "synthetic":
         if download and not mnist_present(mnist_dir):
+            extract_mnist(mnist_dir)  # the four .gz files, as MNIST's site serves them
+        if download and not mnist_present(mnist_dir):
             try_download_mnist(args.data_dir)
         if dist.is_initialized():
             dist.barrier()
@@ -83,7 +85,7 @@ def load_datasets(args, run, download: bool) -> tuple[Digits, Digits]:
     if args.data == "mnist" and not use_mnist:
         raise UserError(f"MNIST not found in {mnist_dir} on every rank, and it could not be "
                         f"downloaded (offline?): copy the four files {', '.join(MNIST_FILES)} "
-                        f"there, or run with --data synthetic")
+                        f"(or their .gz) there, or run with --data synthetic")
     if use_mnist:
         train, test = read_mnist(args.data_dir)
     else:
@@ -108,6 +110,30 @@ def prefix(data: Digits, count: int | None) -> Digits:
 
 def mnist_present(mnist_dir: Path) -> bool:
     return all((mnist_dir / name).is_file() for name in MNIST_FILES)
+
+
+def extract_mnist(mnist_dir: Path) -> None:
+    """Unpack the .gz files of MNIST found without their unpacked file (MNIST's site serves
+    them gzipped; torchvision's download unpacks them, its reader reads only the unpacked
+    ones). Each is written whole or not at all (checkpoint.write_atomically)."""
+    import gzip
+    import shutil
+    import zlib
+
+    from .checkpoint import write_atomically, write_failure
+
+    for name in MNIST_FILES:
+        packed, target = mnist_dir / f"{name}.gz", mnist_dir / name
+        if target.exists() or not packed.is_file():
+            continue
+        try:
+            with gzip.open(packed, "rb") as source:
+                write_atomically(target, lambda f: shutil.copyfileobj(source, f, 2**20))
+        except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # not gzip, cut short, ...
+            raise UserError(f"could not unpack {packed}: it is damaged ({type(err).__name__}: "
+                            f"{first_line(err, 80)}); copy it again") from None
+        except OSError as err:  # a full disk, a read-only folder, ...
+            raise UserError(f"could not unpack {packed}: {write_failure(err, target)}") from None
 
 
 def try_download_mnist(data_dir: Path) -> None:

@@ -7,6 +7,7 @@ most likely run it with, as plain python where the case allows (cheaper).
 """
 
 import errno
+import gzip
 import os
 import re
 import runpy
@@ -593,6 +594,29 @@ def test_a_checkpoint_the_user_may_not_read_is_named_so_not_corrupt(good_checkpo
     assert "corrupt" not in line
     assert checkpoint.load(private)["epoch"] == 1  # it is whole: root reads it
 
+
+def test_mnist_given_as_its_four_gz_files_is_used(mnist_root, tmp_path):
+    """MNIST's site serves the files gzipped; torchvision's reader reads them unpacked only."""
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for source in (mnist_root / "MNIST" / "raw").iterdir():
+        with gzip.open(raw / f"{source.name}.gz", "wb") as packed:
+            packed.write(source.read_bytes())
+    proc = run_step("00_single_gpu.py", ["--data", "mnist", "--data-dir", tmp_path,
+                                         "--train-samples", 96, "--test-samples", 50,
+                                         "--batch-size", 48, "--epochs", 1,
+                                         "--out-dir", tmp_path / "out"])
+    assert "synthetic" not in proc.stdout + proc.stderr
+    for source in (mnist_root / "MNIST" / "raw").iterdir():  # unpacked, byte for byte
+        assert (raw / source.name).read_bytes() == source.read_bytes()
+    assert not [p.name for p in raw.iterdir() if p.name.endswith(".tmp")]
+    # A damaged .gz is one line naming it.
+    (raw / "t10k-labels-idx1-ubyte").unlink()
+    (raw / "t10k-labels-idx1-ubyte.gz").write_bytes(b"\x1f\x8b\x08 not really gzip")
+    proc = run_step("00_single_gpu.py", ["--data", "mnist", "--data-dir", tmp_path,
+                                         "--out-dir", tmp_path / "out2"], check=False)
+    expect_one_error_line(proc, f"could not unpack {raw / 't10k-labels-idx1-ubyte.gz'}: it is "
+                                f"damaged")
 
 
 # ---------------------------------------------------------------- leftover launcher variables
