@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .checkpoint import write_atomically, write_failure
 from .data import MNIST_MEAN, MNIST_STD, Digits, load_datasets, prefix
 from .errors import UserError, first_line
-from .flags import writable_dir
+from .flags import SAMPLES_LIMIT, writable_dir
 from .ranks import all_ranks_agree
 
 
@@ -100,7 +100,8 @@ def open_checked(path: Path, train_samples: int | None, test_samples: int | None
     try:
         with h5py.File(path, "r") as f:
             for name in ["train", "test"]:
-                images, labels = f[name]["images"], f[name]["labels"]
+                images, labels = (only_inside(f, path, f"{name}/{part}")
+                                  for part in ("images", "labels"))
                 count = f[name].attrs["count"]
                 if (images.dtype != np.uint8 or images.shape != (count, 28, 28)
                         or labels.shape != (count,) or labels.dtype.kind not in "iu"):
@@ -108,6 +109,7 @@ def open_checked(path: Path, train_samples: int | None, test_samples: int | None
                         f"{path}: {name} holds {images.dtype} images {images.shape} and "
                         f"{labels.dtype} labels {labels.shape}, expected uint8 {count} x 28 x 28 "
                         f"and {count} integers; delete it to prepare it again")
+                check_stored(path, name, count, images, labels)
                 values = labels[:]
                 if not 0 <= values.min() <= values.max() <= 9:
                     raise UserError(f"{path}: {name} has labels outside 0-9; delete it to "
@@ -126,6 +128,53 @@ def open_checked(path: Path, train_samples: int | None, test_samples: int | None
         raise UserError(f"{path} is not a readable digits file ({str(err)[:120]}); "
                         f"delete it to prepare it again") from None
     return train_count, chunk, prefix(test_set, test_samples)
+
+
+def only_inside(f, path: Path, name: str):
+    """The dataset `name` ("train/images"), if it and the group above it lie in this file:
+    reached by hard links only (an external link opens another file, a soft link may lead
+    anywhere in this one), and its bytes stored here (HDF5's external storage reads them from
+    any file it names, a FIFO too, which would block the read forever; a virtual dataset maps
+    other files). Checked before any byte of it is read."""
+    node, reached = f, []
+    for part in name.split("/"):
+        link = node.get(part, getlink=True)
+        reached.append(part)
+        if link is None:
+            raise KeyError(f"no {name!r} in the file")
+        if not isinstance(link, h5py.HardLink):
+            kind, to = (("an external link", f"{link.filename}:{link.path}")
+                        if isinstance(link, h5py.ExternalLink)
+                        else ("a soft link", getattr(link, "path", "?")))
+            raise UserError(f"{path}: {'/'.join(reached)} is {kind} (to {to}), not data stored "
+                            f"in the file; not following it. Delete the file to prepare it "
+                            f"again")
+        node = node[part]
+    if not isinstance(node, h5py.Dataset):
+        raise KeyError(f"{name!r} is not a dataset")
+    if node.external or node.is_virtual:
+        where = node.external[0][0] if node.external else "other files (a virtual dataset)"
+        raise UserError(f"{path}: {name} keeps its data outside the file (in {where!r}); not "
+                        f"reading it. Delete the file to prepare it again")
+    return node
+
+
+def check_stored(path: Path, name: str, count: int, images, labels) -> None:
+    """The counts a header states, against what the file holds, before anything is allocated:
+    a header may say 10^8 samples in a file of a megabyte (its chunks never written, which
+    read as zeros), and reading them would ask numpy for 73 GiB."""
+    if count > SAMPLES_LIMIT:
+        raise UserError(f"{path}: {name} says it holds {count} samples, more than the "
+                        f"{SAMPLES_LIMIT} any run uses; delete it to prepare it again")
+    for dataset in images, labels:
+        if dataset.chunks is None:  # contiguous: all of it is stored, or none
+            missing = dataset.id.get_storage_size() < dataset.nbytes
+        else:
+            missing = dataset.id.get_num_chunks() < -(-len(dataset) // dataset.chunks[0])
+        if missing:
+            raise UserError(f"{path}: {name} says it holds {count} samples, but the file "
+                            f"stores only part of {dataset.name} (its header was changed, or "
+                            f"it was cut); delete it to prepare it again")
 
 
 def read_rows(path: Path, f, ranges) -> tuple[np.ndarray, np.ndarray]:

@@ -364,3 +364,86 @@ def test_an_unwritable_place_for_the_file_is_one_line_before_converting(mnist_ro
     errors = proc.stderr.strip().splitlines()
     assert len(errors) == 1 and f"cannot create {blocker}" in errors[0], proc.stderr
     assert_no_traceback(proc)
+
+
+# ---------------------------------------------------------------- issue 43: files outside the file
+def crafted(path: Path, kind: str, outside: Path) -> Path:
+    """A digits file as write() makes it (200 training and 50 test samples), with one part that
+    reaches outside it, or whose header says more than it stores."""
+    train, test = indexed_digits(200), indexed_digits(50)
+    with h5py.File(path, "w") as f:
+        f.attrs.update(mean=MNIST_MEAN, std=MNIST_STD)
+        for name, data in [("train", train), ("test", test)]:
+            group = f.create_group(name)
+            group.attrs.update(count=len(data), shape=(28, 28))
+            rows = min(64, len(data))
+            group.create_dataset("images", data=data.images.numpy(), chunks=(rows, 28, 28),
+                                 fletcher32=True)
+            group.create_dataset("labels", data=data.labels.numpy(), chunks=(rows,),
+                                 fletcher32=True)
+        images = test.images.numpy()
+        if kind in ("external storage", "external FIFO"):  # HDF5 reads the bytes from `outside`
+            if kind == "external storage":
+                outside.write_bytes(images.tobytes())
+            del f["test/images"]
+            f["test"].create_dataset("images", shape=images.shape, dtype=np.uint8,
+                                     external=[(str(outside), 0, images.nbytes)])
+        elif kind == "external link":  # the test set of another file
+            with h5py.File(outside, "w") as other:
+                other.copy(f["test"], "test")
+            del f["test"]
+            f["test"] = h5py.ExternalLink(str(outside), "/test")
+        elif kind == "soft link":
+            f.copy(f["test/images"], "elsewhere")
+            del f["test/images"]
+            f["test/images"] = h5py.SoftLink("/elsewhere")
+        elif kind in ("huge header", "sparse"):  # the chunks of the test set never written
+            count = 10**8 if kind == "huge header" else 400_000
+            del f["test"]
+            group = f.create_group("test")
+            group.attrs.update(count=count, shape=(28, 28))
+            group.create_dataset("images", shape=(count, 28, 28), dtype=np.uint8,
+                                 chunks=(64, 28, 28), fletcher32=True)
+            group.create_dataset("labels", shape=(count,), dtype=np.uint8, chunks=(64,),
+                                 fletcher32=True)
+    return path
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("external storage", "test/images keeps its data outside the file (in '{outside}')"),
+    ("external link", "test is an external link (to {outside}:/test), not data stored in the "
+                      "file; not following it"),
+    ("soft link", "test/images is a soft link (to /elsewhere), not data stored in the file"),
+    ("huge header", "test says it holds 100000000 samples, more than the 1000000 any run uses"),
+    ("sparse", "test says it holds 400000 samples, but the file stores only part of "
+               "/test/images"),
+])
+def test_a_file_reaching_outside_itself_or_stating_more_than_it_holds_is_refused(
+        step, tmp_path, kind, expected):
+    """Each was read silently (an external file, another HDF5 file, a link), or allocated what
+    the header said: 10^8 samples in a 1.6 MB file asked numpy for 73 GiB."""
+    outside = tmp_path / "outside"
+    path = crafted(tmp_path / "digits.h5", kind, outside)
+    before = outside.read_bytes() if outside.exists() else None
+    with pytest.raises(common.UserError) as error:
+        digits_h5.open_checked(path, None, None)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message, message
+    assert expected.format(outside=outside) in message, message
+    assert (outside.read_bytes() if outside.exists() else None) == before
+    assert path.stat().st_size < 2 * 2**20  # (the huge one is a small file)
+
+
+def test_a_fifo_named_as_external_storage_is_refused_not_waited_on(mnist_root, tmp_path):
+    """Reading a dataset stored in a FIFO that nobody writes blocks forever: 06 hung at its
+    start-up checks. (A real process: in this one, the read would hang the suite.)"""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    path = crafted(tmp_path / "digits.h5", "external FIFO", fifo)
+    proc = run_step(STEP.name, [*COMMON, "--data-dir", mnist_root, "--h5", path, "--epochs", 1,
+                                "--out-dir", tmp_path / "out"], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = proc.stderr.strip().splitlines()
+    assert errors == [f"error: {path}: test/images keeps its data outside the file (in "
+                      f"'{fifo}'); not reading it. Delete the file to prepare it again"], errors
+    assert_no_traceback(proc)
