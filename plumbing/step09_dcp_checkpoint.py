@@ -25,6 +25,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import time
 import warnings
@@ -281,6 +282,17 @@ def is_write_failure(err: BaseException | None) -> bool:
         marker in str(err) for marker in ("inline_container", "PytorchStreamWriter")))
 
 
+# The folders Commits makes (checkpoint-epoch2-step40, checkpoint-epoch3-end, and the copy that
+# switch_link renames): the only ones a commit removes. checkpoint-best, kept by a user, stays.
+MADE_BY_09 = re.compile(r"checkpoint-(epoch\d+-(step\d+|end)|copied-\d+)")
+
+
+def made_by_09(path: Path) -> bool:
+    """A real folder (not a link) whose name a run of step 09 makes."""
+    return (MADE_BY_09.fullmatch(path.name) is not None and path.is_dir()
+            and not path.is_symlink())
+
+
 class Commits:
     """One checkpoint at a time: new_folder() waits for the previous save and commits it, then
     prepares the next folder (every rank's random state, and the run's settings); started()
@@ -295,7 +307,7 @@ class Commits:
     def new_folder(self, name: str, rng: dict) -> Path:
         self.finish()
         folder = self.out_dir / f"checkpoint-{name}"
-        if self.run.is_main and folder.exists():  # what a killed save left behind
+        if self.run.is_main and made_by_09(folder):  # what a killed save left behind
             shutil.rmtree(folder)
         dist.barrier()
         failed = None
@@ -368,7 +380,7 @@ class Commits:
                              if linked else ""))
             else:
                 for old in self.out_dir.glob("checkpoint-*"):
-                    if old != folder:
+                    if old != folder and made_by_09(old):
                         shutil.rmtree(old, ignore_errors=True)
                 log(self.run, f"checkpoint {folder.name}: {blocked:.2f} s blocking training, "
                               f"then {seconds - blocked:.2f} s in the background")

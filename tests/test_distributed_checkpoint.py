@@ -55,6 +55,10 @@ def runs(mnist_root, tmp_path_factory):
         proc = run_step(STEP, [*args, *extra, "--out-dir", root / name], nproc=nproc)
         result[name] = {"out": root / name, "stdout": proc.stdout}
     shutil.copytree(root / "first_epoch", root / "resumed_on_1")  # (symlinks=False: a copy)
+    # A complete checkpoint a user keeps under a name of their own, in the --out-dir of a run
+    # (test_a_folder_the_run_did_not_make_survives_its_commits).
+    shutil.copytree((root / "first_epoch" / "checkpoint").resolve(),
+                    root / "resumed_on_3" / "checkpoint-best")
     for ranks in (1, 3):
         out = root / f"resumed_on_{ranks}"
         resume = (out if ranks == 1 else root / "first_epoch") / "checkpoint"
@@ -81,6 +85,15 @@ def test_a_run_folder_copied_with_its_link_as_a_folder_commits_over_the_copy(run
     assert sorted(p.name for p in out.glob("*checkpoint*")) == ["checkpoint",
                                                                 "checkpoint-epoch2-end"]
     dcp_checkpoint.complete_folder(out / "checkpoint")
+
+
+def test_a_folder_the_run_did_not_make_survives_its_commits(runs):
+    """Issue 43: a commit removed every checkpoint-* folder but its own, a user's
+    checkpoint-best too. Now only folders of the names 09 makes go."""
+    out = runs["resumed_on_3"]["out"]
+    assert sorted(p.name for p in out.glob("checkpoint*")) == [
+        "checkpoint", "checkpoint-best", "checkpoint-epoch2-end"]
+    dcp_checkpoint.complete_folder(out / "checkpoint-best")  # whole, not only there
 
 
 @pytest.mark.parametrize("ranks", [1, 3])
