@@ -86,6 +86,7 @@ class SafeReader(FileSystemReader):
             metadata = MetadataUnpickler(f).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise pickle.UnpicklingError(f"a {type(metadata).__name__}, not DCP's Metadata")
+        check_inside(Path(self.path), getattr(metadata, "storage_data", None))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -106,6 +107,23 @@ class SafeReader(FileSystemReader):
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+class OutsideFolder(ValueError):
+    """A .metadata that names a shard outside its checkpoint folder."""
+
+
+def check_inside(folder: Path, storage_data) -> None:
+    """Every file a .metadata names must lie inside its folder: DCP joins the folder and each
+    saved relative path, so `../other/__1_0.distcp` (or an absolute path, or a link in the
+    folder) would load a shard from elsewhere."""
+    if not isinstance(storage_data, dict):
+        return  # (torch then fails on it itself: one line, see one_line_errors)
+    root = folder.resolve()
+    for info in storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not (root / name).resolve().is_relative_to(root):
+            raise OutsideFolder(f"it names {name!r}, a file outside {root}")
 
 
 class UnreadableFile(Exception):
@@ -142,6 +160,9 @@ def complete_folder(path: Path) -> Path:
                         f"save that did not finish, or not a checkpoint of step 09)")
     try:
         SafeReader(folder).read_metadata()
+    except OutsideFolder as err:
+        raise UserError(f"{folder / '.metadata'} reaches outside its checkpoint folder: {err}; "
+                        f"not loading it") from None
     except Exception as err:  # noqa: BLE001 -- pickle errors, truncated file, ...
         raise UserError(f"{folder / '.metadata'} is damaged or is not a DCP checkpoint's "
                         f"metadata; not loading it ({type(err).__name__}: "
@@ -247,7 +268,8 @@ def saved_settings(folder: Path) -> dict | None:
         return None
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError) as err:  # (a UnicodeDecodeError is a ValueError)
+    # (A UnicodeDecodeError is a ValueError; a RecursionError, lists nested some thousand deep.)
+    except (OSError, ValueError, RecursionError) as err:
         raise UserError(f"{path} is damaged or unreadable ({type(err).__name__}: "
                         f"{first_line(err, 120)})") from None
 

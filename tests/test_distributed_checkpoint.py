@@ -6,6 +6,7 @@ Every run is 2 epochs of 20 steps (conftest.RESTART_ARGS), or the first of them;
 a run are read back from its final DCP checkpoint, in this process, without a process group.
 """
 
+import dataclasses
 import io
 import os
 import pickle
@@ -159,6 +160,22 @@ def with_malicious_metadata(checkpoint: Path, folder: Path, marker: Path) -> Pat
     return folder
 
 
+def reaching_outside(checkpoint: Path, folder: Path) -> Path:
+    """A copy of a real checkpoint whose .metadata sends every read of rank 1's shard to
+    ../other/__1_0.distcp: a real shard, outside the folder."""
+    shutil.copytree(checkpoint.resolve(), folder)
+    (folder.parent / "other").mkdir()
+    (folder / "__1_0.distcp").rename(folder.parent / "other" / "__1_0.distcp")
+    with open(folder / ".metadata", "rb") as f:
+        metadata = dcp_checkpoint.MetadataUnpickler(f).load()
+    metadata.storage_data = {
+        index: dataclasses.replace(info, relative_path="../other/__1_0.distcp")
+        if info.relative_path == "__1_0.distcp" else info
+        for index, info in metadata.storage_data.items()}
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    return folder
+
+
 def damaged_copy(checkpoint: Path, folder: Path, name: str, damage) -> Path:
     """A copy of a real checkpoint with one file damaged: damage(its bytes) -> new bytes."""
     shutil.copytree(checkpoint.resolve(), folder)
@@ -180,6 +197,11 @@ def test_a_checkpoint_that_is_incomplete_of_another_model_or_malicious_is_one_li
     cut = damaged_copy(saved, tmp_path / "cut", "__1_0.distcp", lambda data: data[:len(data) // 2])
     garbage = damaged_copy(saved, tmp_path / "garbage", "__0_0.distcp",
                            lambda data: bytes(range(256)) * 64 + data[256 * 64:])
+    # Issue 43: a shard named outside the folder was loaded silently; a run.json nested some
+    # 100,000 lists deep ended in a RecursionError traceback.
+    outside = reaching_outside(saved, tmp_path / "outside")
+    nested = damaged_copy(saved, tmp_path / "nested", "run.json",
+                          lambda data: b"[" * 100_000 + b"]" * 100_000)
     for command, resume, extra, expected in [
             ("train", unfinished, [], "is not a complete DCP checkpoint"),
             ("train", saved, ["--width", "2"],
@@ -192,7 +214,13 @@ def test_a_checkpoint_that_is_incomplete_of_another_model_or_malicious_is_one_li
             ("train", cut, [], f"checkpoint file {cut / '__1_0.distcp'} is damaged or "
                                f"unreadable; not loading it (RuntimeError: PytorchStreamReader"),
             ("export", garbage, [], f"checkpoint file {garbage / '__0_0.distcp'} is damaged or "
-                                    f"unreadable; not loading it")]:
+                                    f"unreadable; not loading it"),
+            ("train", outside, [], f"{outside / '.metadata'} reaches outside its checkpoint "
+                                   f"folder: it names '../other/__1_0.distcp', a file outside "
+                                   f"{outside}; not loading it"),
+            ("export", outside, [], f"{outside / '.metadata'} reaches outside its checkpoint"),
+            ("train", nested, [], f"{nested / 'run.json'} is damaged or unreadable "
+                                  f"(RecursionError: ")]:
         proc = run_step(STEP, [command, "--data", "synthetic", "--train-samples", 96,
                                "--batch-size", 48, "--resume", resume, *extra,
                                "--out-dir", tmp_path / "out"], check=False)
