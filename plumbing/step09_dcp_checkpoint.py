@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.futures import Future
@@ -56,9 +56,12 @@ from .schedule import LRSchedule
 METADATA_GLOBALS = {
     **{(dcp_metadata.__name__, name): cls for name, cls in vars(dcp_metadata).items()
        if isinstance(cls, type) and cls.__module__ == dcp_metadata.__name__},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # name -> layout
+    # Private names, looked up: one a torch lacks is left out (its .metadata is then refused)
+    **{(module.__name__, name): getattr(module, name)
+       for module, name in [(dcp_filesystem, "_StorageInfo"),
+                            (torch.serialization, "_get_layout")]  # name -> layout
+       if hasattr(module, name)},
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("pathlib", "PosixPath"): pathlib.PosixPath,
 }

@@ -82,3 +82,26 @@ def test_an_unsupported_torch_is_one_warning_line_at_start_and_the_run_goes_on(t
         "very end, in destroy_process_group (README, \"Versions\"); pip install 'torch>=2.8' "
         "and its torchvision"], proc.stderr
     assert "test accuracy" in proc.stdout
+
+
+ABSENT_PRIVATE_APIS = """
+import pickle, torch.serialization, torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch._C._distributed_c10d as c10d
+del torch.serialization._get_layout, dcp_filesystem._StorageInfo, c10d._dump_fr_trace
+if hasattr(c10d, "_dump_nccl_trace"):
+    del c10d._dump_nccl_trace
+from plumbing import step09_dcp_checkpoint as dcp_checkpoint, step10_debugging as debug
+assert not [key for key in dcp_checkpoint.METADATA_GLOBALS if key[1] in ("_get_layout",
+                                                                          "_StorageInfo")]
+assert all(pickle.loads(debug.dump_for(name)()) == {} for name in ("gloo", "nccl2", "nccl"))
+print("fallbacks taken")
+"""
+
+
+def test_a_torch_without_the_private_apis_the_plumbing_uses_takes_their_fallbacks():
+    """Every private torch API is looked up (hasattr, a signature), not assumed from a version:
+    a torch without one imports the plumbing all the same. (Here they are deleted from this
+    torch before the plumbing is imported: the imports of 09's and 10's plumbing failed.)"""
+    proc = subprocess.run([sys.executable, "-c", ABSENT_PRIVATE_APIS], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "fallbacks taken" in proc.stdout, proc.stderr[-3000:]
