@@ -138,6 +138,8 @@ def only_inside(f, path: Path, name: str):
     other files). Checked before any byte of it is read."""
     node, reached = f, []
     for part in name.split("/"):
+        if not isinstance(node, h5py.Group):
+            raise KeyError(f"{'/'.join(reached)!r} is not a group")
         link = node.get(part, getlink=True)
         reached.append(part)
         if link is None:

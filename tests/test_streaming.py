@@ -447,3 +447,14 @@ def test_a_fifo_named_as_external_storage_is_refused_not_waited_on(mnist_root, t
     assert errors == [f"error: {path}: test/images keeps its data outside the file (in "
                       f"'{fifo}'); not reading it. Delete the file to prepare it again"], errors
     assert_no_traceback(proc)
+
+
+def test_a_dataset_where_a_group_belongs_is_one_clear_error(tmp_path):
+    """The link checks walk train/ and test/ as groups: a dataset named train is the wrong
+    file, one line (it was an AttributeError traceback in the first version of the checks)."""
+    path = tmp_path / "digits.h5"
+    with h5py.File(path, "w") as f:
+        f["train"] = np.zeros(3)
+        f.create_group("test")
+    with pytest.raises(common.UserError, match="is not a readable digits file"):
+        digits_h5.open_checked(path, None, None)
