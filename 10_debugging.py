@@ -224,8 +224,7 @@ def report_failure(err, run, args, progress, watcher) -> None:
     folder = args.out_dir / "flight_recorder"
     unwritten = debug.write_fr_dumps(folder, {r: s["record"] for r, s in states.items()})
     print(f"[Flight Recorder] records not written: {unwritten}" if unwritten else
-          f"[Flight Recorder] records written: python -m "
-          f"torch.distributed.flight_recorder.fr_trace {folder}", flush=True)
+          f"[Flight Recorder] records written: {debug.analyser_command(folder)}", flush=True)
     for rank, s in sorted(states.items()):
         if s["host"] == run.hostname and s["error"] is None:  # still stuck, on this machine
             print(f"[py-spy] rank {rank} (pid {s['pid']}): {debug.py_spy(s['pid'], __file__)}",

@@ -24,6 +24,7 @@ Every private torch API step 10 uses is reached here, in this one file, and each
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import json
 import os
@@ -327,6 +328,14 @@ def py_spy(pid: int, script: str) -> str:
 
 
 # ---------------------------------------------------------------- files for fr_trace
+def analyser_command(folder: Path) -> str:
+    """How to read the files with torch's analyser, where this torch has it (2.8 has not)."""
+    if importlib.util.find_spec("torch.distributed.flight_recorder") is None:
+        return (f"{folder} (torch {torch.__version__} has no analyser: "
+                f"torch.distributed.flight_recorder.fr_trace is in newer torch)")
+    return f"python -m torch.distributed.flight_recorder.fr_trace {folder}"
+
+
 def write_fr_dumps(folder: Path, records: dict[int, dict]) -> str | None:
     """One file per rank, as torch's analyser wants them: `python -m
     torch.distributed.flight_recorder.fr_trace FOLDER`. The files hold DDP's group only, its

@@ -93,7 +93,7 @@ def test_shape_names_every_rank_s_shape(bug_runs, nproc):
 def test_flight_recorder_files_agree_with_fr_trace(bug_runs, caplog, nproc):
     """torch's own analyser reads the files the step wrote (DDP's group, keys renamed) and
     finds the same rank missing from the same collective. (It reports through logging.)"""
-    from torch.distributed.flight_recorder.fr_trace import main as fr_trace
+    fr_trace = pytest.importorskip("torch.distributed.flight_recorder.fr_trace").main  # not in 2.8
 
     caplog.set_level(logging.INFO)
     fr_trace([str(bug_runs["skip", nproc][0] / "flight_recorder")])
@@ -303,3 +303,14 @@ def test_the_step_turns_the_flight_recorder_on_where_torch_keeps_it_off(monkeypa
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
     step["turn_on_tools"]()
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50"
+
+
+def test_the_analyser_is_named_only_where_this_torch_has_it(tmp_path):
+    """torch 2.8 has no torch.distributed.flight_recorder: 10 named a command that fails there."""
+    line = debug.analyser_command(tmp_path)
+    try:
+        import torch.distributed.flight_recorder.fr_trace  # noqa: F401
+    except ImportError:
+        assert line.startswith(f"{tmp_path} (torch ") and "has no analyser" in line
+    else:
+        assert line == f"python -m torch.distributed.flight_recorder.fr_trace {tmp_path}"
