@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -337,6 +338,9 @@ class Commits:
         dist.barrier()
         failed = None
         try:
+            if folder.is_symlink():  # planted under the name: its target is not ours to fill
+                raise OSError(errno.ELOOP, "it is a symbolic link, and 09 writes only into "
+                                           "folders it makes")
             folder.mkdir(parents=True, exist_ok=True)
             state = io.BytesIO()
             torch.save(rng, state)

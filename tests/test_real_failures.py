@@ -470,3 +470,24 @@ def test_two_runs_of_steps_00_06_in_one_out_dir_are_refused_in_one_line(tmp_path
         f"error: --out-dir {out} is in use by another run ({holder}): two runs in one "
         f"--out-dir would replace each other's checkpoints. Give each run its own --out-dir"]
     assert "epoch 1" not in second.stdout
+
+
+def test_a_link_planted_at_09s_next_checkpoint_folder_is_not_written_through(tmp_path):
+    """09 names its checkpoint folders predictably (checkpoint-epoch1-step2): a link planted
+    under that name made it write its random states, run.json and shards into the link's
+    target. It now stops with one line and leaves the target and the link as they were."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint-epoch1-step2").symlink_to(outside, target_is_directory=True)
+    proc = run_step("09_distributed_checkpoint.py", [*SMALL_RUN, "--checkpoint-every", 2,
+                                                     "--out-dir", out], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_no_traceback(proc)
+    errors = error_lines(proc)
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: could not write checkpoint {out / 'checkpoint-epoch1-step2'}: it is a symbolic "
+        f"link, and 09 writes only into folders it makes"), errors
+    assert list(outside.iterdir()) == []
+    assert (out / "checkpoint-epoch1-step2").is_symlink()
