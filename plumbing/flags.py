@@ -14,7 +14,7 @@ import socket
 import stat
 from pathlib import Path
 
-from .errors import report
+from .errors import launcher_rank, report
 
 SEED_LIMIT = 2**32  # numpy's legacy seeding, the narrowest of the RNGs we seed, takes 0 .. 2**32-1
 # The most samples --train-samples / --test-samples may ask for. The synthetic digits are drawn
@@ -133,7 +133,7 @@ def check_launched(parser: Parser, world: int, numbers: dict) -> None:
                "WORLD_SIZE")
     port = numbers.get("MASTER_PORT", 0)
     forms_group = parser.prog != "00_single_gpu.py"  # 00 trains alone: it never reads the port
-    if port and forms_group and numbers.get("RANK", 0) == 0 and not port_is_free(port):
+    if port and forms_group and launcher_rank() == 0 and not port_is_free(port):  # srun: PROCID
         refuse(parser, f"MASTER_PORT={port} is in use on this machine: rank 0 hosts the "
                        f"group's store there; choose a free port", "MASTER_PORT")
 
