@@ -689,3 +689,25 @@ def test_world_size_and_rank_by_hand_form_a_group_and_a_lone_one_names_them(tmp_
     assert alone.returncode == 3
     expect_one_error_line(alone, "waited 3 s (--timeout) for the other ranks of WORLD_SIZE=2",
                           "WORLD_SIZE and RANK=0 were set by hand, not by torchrun", "unset them")
+
+
+def test_a_busy_master_port_is_checked_on_rank_0_only(monkeypatch):
+    """srun's tasks have no RANK yet when their flags are parsed (use_srun_identity sets it
+    after): task 1 would have found the port taken by task 0's store, and refused."""
+    from plumbing import flags
+
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "TORCHELASTIC_"))] + [
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"]:
+        monkeypatch.delenv(name, raising=False)
+    srun = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+            "SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node1", "SLURM_STEP_TASKS_PER_NODE": "2"}
+    with socket.socket() as store:  # task 0's store, already listening
+        store.bind(("", 0))
+        store.listen()
+        for name, value in {**srun, "MASTER_PORT": str(store.getsockname()[1])}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("SLURM_PROCID", "1")
+        flags.parser(__doc__, "05_multinode.py").parse_args([])  # task 1: no refusal
+        monkeypatch.setenv("SLURM_PROCID", "0")
+        with pytest.raises(SystemExit):  # task 0 itself would find it taken
+            flags.parser(__doc__, "05_multinode.py").parse_args([])
