@@ -9,6 +9,7 @@
 #   bash .ci/every_torch.sh                       # 2.8 ... 2.15, one after the other
 #   bash .ci/every_torch.sh 2.8 2.15              # only these
 #   VENVS=/somewhere KEEP=1 bash .ci/every_torch.sh   # where the venvs go; keep them afterwards
+#   USE_VENV=.venv bash .ci/every_torch.sh 2.14   # a venv that has it already: no install
 #
 # Each venv is about 5-6 GB (torch's CUDA wheels come along, as for any Linux user) and is
 # deleted after its row unless KEEP=1. PIP_CONFIG_FILE=/dev/null and no PIP_FIND_LINKS: pip reads
@@ -32,13 +33,14 @@ echo "commit $(git rev-parse --short HEAD), $(nproc) cores, $(date -u '+%Y-%m-%d
     | tee -a "$RESULTS/runs.txt"
 
 for minor in "${minors[@]}"; do
-    venv=$VENVS/torch-$minor
+    venv=${USE_VENV:-$VENVS/torch-$minor}
     log=$RESULTS/torch-$minor.log
     start=$SECONDS
     echo "=== torch $minor.* in $venv (log: $log)"
-    rm -rf "$venv"
-    python3 -m venv "$venv"
-    if ! env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q \
+    [ -n "${USE_VENV:-}" ] || { rm -rf "$venv"; python3 -m venv "$venv"; }
+    if [ -n "${USE_VENV:-}" ]; then
+        echo "(no install: $venv)" >"$log"
+    elif ! env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q \
             --no-cache-dir "torch==$minor.*" torchvision -r requirements-test.txt >"$log" 2>&1; then
         echo "| $minor.* | - | failed (see log) | - | - | $(((SECONDS - start) / 60)) |" >>"$table"
         tail -5 "$log"
@@ -60,6 +62,6 @@ print(torch.__version__, torchvision.__version__)')
     failed=$(grep -E '^FAILED ' "$log" | sed 's/^FAILED tests\///; s/ - .*//' | paste -sd ' ')
     echo "| $torch_v | $vision_v | $installed s | $tour | ${tests# }${failed:+ (failed: $failed)} | $(((SECONDS - start) / 60)) |" \
         | tee -a "$table"
-    [ "${KEEP:-0}" = 1 ] || rm -rf "$venv"
+    [ "${KEEP:-0}" = 1 ] || [ -n "${USE_VENV:-}" ] || rm -rf "$venv"
 done
 cat "$table"
