@@ -74,8 +74,8 @@ def turn_on_tools() -> None:
     raises in the thread that waits for it, like gloo's. Both NCCL backends of torch 2.15 read
     it: ProcessGroupNCCL.hpp (TORCH_NCCL_BLOCKING_WAIT) and nccl2/ProcessGroupNCCL.hpp
     (blocking_wait_: "Blocking wait has no watchdog"). gloo ignores it.
-    The Flight Recorder's 2000 entries are torch 2.15's default, but 0 (off) on older torch:
-    on 2.8-2.10 gloo recorded nothing unless TORCH_FR_BUFFER_SIZE was set (docs/tests.md)."""
+    The Flight Recorder's 2000 entries are gloo's default from torch 2.11; on 2.8-2.10 gloo
+    recorded nothing unless TORCH_FR_BUFFER_SIZE was set (docs/tests.md)."""
     os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
@@ -269,7 +269,7 @@ def main():
     args = parser.parse_args()
     if args.lr_scaling != "none":  # a shared flag, but this step has no learning-rate schedule
         parser.error("--lr-scaling: 10_debugging.py trains at a fixed --lr (steps 00-09 scale)")
-    recorder = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000 (default)")  # before turn_on_tools
+    recorder = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000 (set by 10)")  # before turn_on_tools
     check_the_bug_shows(args, n)  # before any work starts
     turn_on_tools()
     debug.check_room(args.out_dir)  # where the records go: a full disk is one line now

@@ -362,10 +362,11 @@ class Commits:
         differs)."""
         if self.run.is_main:
             shutil.rmtree(folder, ignore_errors=True)
-        said = [reason, folder.exists()]  # (a read-only filesystem keeps what it holds)
+        said = [reason, folder.exists(), folder.is_symlink()]  # (a read-only fs keeps all)
         dist.broadcast_object_list(said, src=0)  # after the removal: before any rank exits
-        reason, kept_folder = said
-        removed = "could not remove it" if kept_folder else "removed it"
+        reason, kept_folder, link = said
+        removed = ("left the link as it was" if link else
+                   "could not remove it" if kept_folder else "removed it")
         linked = self.linked()
         kept = (f"the last complete checkpoint, {linked}, is unchanged" if linked
                 else "no complete checkpoint was written before it")

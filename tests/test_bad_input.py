@@ -691,7 +691,7 @@ def test_world_size_and_rank_by_hand_form_a_group_and_a_lone_one_names_them(tmp_
                           "WORLD_SIZE and RANK=0 were set by hand, not by torchrun", "unset them")
 
 
-def test_a_busy_master_port_is_checked_on_rank_0_only(monkeypatch):
+def test_a_busy_master_port_is_checked_on_rank_0_only(monkeypatch, capsys, tmp_path):
     """srun's tasks have no RANK yet when their flags are parsed (use_srun_identity sets it
     after): task 1 would have found the port taken by task 0's store, and refused."""
     from plumbing import flags
@@ -706,8 +706,11 @@ def test_a_busy_master_port_is_checked_on_rank_0_only(monkeypatch):
         store.listen()
         for name, value in {**srun, "MASTER_PORT": str(store.getsockname()[1])}.items():
             monkeypatch.setenv(name, value)
+        out = ["--out-dir", str(tmp_path)]  # (the default would be made in the repository)
         monkeypatch.setenv("SLURM_PROCID", "1")
-        flags.parser(__doc__, "05_multinode.py").parse_args([])  # task 1: no refusal
+        flags.parser(__doc__, "05_multinode.py").parse_args(out)  # task 1: no refusal
         monkeypatch.setenv("SLURM_PROCID", "0")
         with pytest.raises(SystemExit):  # task 0 itself would find it taken
-            flags.parser(__doc__, "05_multinode.py").parse_args([])
+            flags.parser(__doc__, "05_multinode.py").parse_args(out)
+        said = capsys.readouterr().err
+        assert f"MASTER_PORT={store.getsockname()[1]} is in use" in said, said

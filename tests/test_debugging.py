@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import runpy
+import sys
 
 import pytest
 from conftest import REPO, assert_no_traceback, run_step
@@ -54,7 +55,7 @@ def test_bug_ends_nonzero_with_a_diagnosis(bug_runs, bug, nproc):
     assert proc.returncode != 0
     assert_no_traceback(proc)
     diagnosis(proc)
-    assert "backend=gloo" in proc.stdout and "TORCH_FR_BUFFER_SIZE=2000 (default)" in proc.stdout
+    assert "backend=gloo" in proc.stdout and "TORCH_FR_BUFFER_SIZE=2000 (set by 10)" in proc.stdout
     # Each tool is named with what it found, for every rank.
     assert "[TORCH_DISTRIBUTED_DEBUG=DETAIL] rank " in proc.stdout
     for rank in range(nproc):
@@ -295,6 +296,7 @@ def test_the_step_turns_the_flight_recorder_on_where_torch_keeps_it_off(monkeypa
     """torch 2.8 to 2.10 keep no entries unless TORCH_FR_BUFFER_SIZE is set (gloo recorded
     nothing: "last collectives: none", .ci/every_torch.sh); 2.15 keeps 2000. Step 10 asks for
     2000, and leaves a value the user set alone."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (the step's import sets its own)
     step = runpy.run_path(str(REPO / "10_debugging.py"))  # its functions; main() does not run
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_BLOCKING_WAIT"):
         monkeypatch.delenv(name, raising=False)  # (restored after the test)

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import tour
 from conftest import REPO, base_env, launch
 
@@ -80,7 +82,12 @@ def test_relative_paths_are_taken_from_where_the_tour_started(mnist_root, tmp_pa
             time.sleep(0.5)
     finally:  # the tour ends the step it runs, which runs in a session of its own
         tour_proc.terminate()
-        output = tour_proc.communicate(timeout=120)[0]
+        try:
+            output = tour_proc.communicate(timeout=120)[0]
+        except subprocess.TimeoutExpired:  # (then its step may be left: end what is left)
+            tour_proc.kill()
+            output = tour_proc.communicate()[0]
+            pytest.fail(f"the tour did not end within 120 s of SIGTERM:\n{output[-3000:]}")
     assert summary.exists(), output[-3000:]
     assert json.loads(summary.read_text())["test_samples"] == 100  # --data mnist: found
     assert "synthetic" not in output, output[-3000:]
