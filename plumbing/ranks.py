@@ -29,7 +29,7 @@ def join_group(backend: str, rank: int, world_size: int, timeout_s: float,
     try:
         store, rank, world_size = next(dist.rendezvous("env://", rank=rank,
                                                        world_size=world_size, timeout=timeout))
-    except RuntimeError:  # the store's wait for the other ranks (DistStoreError) timed out
+    except getattr(dist, "DistStoreError", RuntimeError):  # the wait for the others timed out
         if by_hand(world_size):
             raise PeerFailure(f"waited {timeout_s:g} s (--timeout) for the other ranks of "
                               f"WORLD_SIZE={world_size} at MASTER_PORT="
@@ -59,8 +59,10 @@ def join_group(backend: str, rank: int, world_size: int, timeout_s: float,
 
 
 def by_hand(world_size: int) -> bool:
-    """A world of several processes that neither torchrun nor srun started."""
-    return world_size > 1 and not {"TORCHELASTIC_RUN_ID", "SLURM_PROCID"} & set(os.environ)
+    """A world of several processes that neither torchrun nor srun started. (An sbatch script
+    sets SLURM_PROCID too, for its one task: srun is several tasks.)"""
+    srun = int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1  # (checked a whole number)
+    return world_size > 1 and not srun and "TORCHELASTIC_RUN_ID" not in os.environ
 
 
 def log(run, message: str) -> None:
