@@ -92,23 +92,31 @@ def run_step(script: str, cmd: list) -> int:
     """Run one step to its end; its exit code. The step runs in a session of its own, so that
     a terminal's Ctrl-C reaches the tour alone, which passes it on (once, as to any signal
     that stops the tour: see stop)."""
-    running["process"] = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
-    code = running["process"].wait()
+    running.clear()
+    running["starting"] = True  # from here a signal is kept for the step (see stop)
+    process = running["process"] = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    if "signal" in running:  # it came while the step was being started
+        process.send_signal(running["signal"])
+    code = process.wait()
+    del running["starting"]
     if "signal" in running:  # the tour was stopped, and so was the step
         print(f"tour: stopped by {signal.Signals(running['signal']).name} during {script}, "
               f"which ended too (exit code {code})", file=sys.stderr, flush=True)
         sys.exit(128 + running["signal"])
-    running.clear()
     return code
 
 
 def stop(signum, frame) -> None:
     """A signal to the tour goes to the step it runs, which ends as it ends on that signal
     (torchrun passes it to its ranks), with its own line; run_step then ends the tour. (The
-    tour used to end at once and leave the step's ranks running.)"""
-    if "process" in running:
-        running.setdefault("signal", signum)
-        running["process"].send_signal(signum)  # (a second one too: the steps take it as "now")
+    tour used to end at once and leave the step's ranks running.) Between steps it ends the
+    tour at once."""
+    running.setdefault("signal", signum)
+    process = running.get("process")
+    if process is not None and process.returncode is None:
+        process.send_signal(signum)  # (a second one too: the steps take it as "now")
+        return
+    if running.get("starting"):  # the step is being started, or has just ended: run_step acts
         return
     print(f"tour: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
     sys.exit(128 + signum)
