@@ -58,7 +58,8 @@ def warn_of_unsupported_torch() -> None:
     run goes on: the steps compute the same on 2.7, and what can go wrong, a hang in
     destroy_process_group, comes at the very end (README, "Versions"). A refusal would stop a
     learner whose cluster has nothing newer, for a hang that came in 2 of 6 runs."""
-    if torch_older_than(SUPPORTED_FROM) and os.environ.get("RANK", "0") == "0":
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # (srun: no RANK yet)
+    if torch_older_than(SUPPORTED_FROM) and rank == "0":
         print(f"warning: torch {torch.__version__} is older than {SUPPORTED_FROM}, the oldest "
               f"supported: a step can hang at its very end, in destroy_process_group (README, "
               f"\"Versions\"); pip install 'torch>={SUPPORTED_FROM}' and its torchvision",

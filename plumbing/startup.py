@@ -22,7 +22,8 @@ def _ctrl_c_is_one_line(kind, value, traceback) -> None:
         return sys.__excepthook__(kind, value, traceback)
     where = ""
     if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):  # a rank of several
-        where = f" (rank {os.environ.get('RANK', '?')} on {socket.gethostname()})"
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))  # (srun: no RANK)
+        where = f" (rank {rank} on {socket.gethostname()})"
     print(f"error: interrupted (SIGINT): stopped at once, while starting{where}",
           file=sys.stderr, flush=True)
     os._exit(130)
