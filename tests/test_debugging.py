@@ -299,7 +299,11 @@ def test_the_step_turns_the_flight_recorder_on_where_torch_keeps_it_off(monkeypa
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (the step's import sets its own)
     step = runpy.run_path(str(REPO / "10_debugging.py"))  # its functions; main() does not run
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_BLOCKING_WAIT"):
-        monkeypatch.delenv(name, raising=False)  # (restored after the test)
+        # Restored after the test, also when unset now (delenv of an unset name records
+        # nothing, and turn_on_tools' values then leaked into every later test's processes:
+        # TORCH_DISTRIBUTED_DEBUG=DETAIL broke 07's restarts in the next module).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     step["turn_on_tools"]()
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
