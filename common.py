@@ -66,7 +66,7 @@ def warn_of_unsupported_torch() -> None:
               file=sys.stderr, flush=True)
 
 
-warn_of_unsupported_torch()  # every step imports this file first
+warn_of_unsupported_torch()  # at import: every step imports this file before its work starts
 
 
 def torch_needed_by(script) -> str | None:
