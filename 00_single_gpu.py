@@ -12,17 +12,17 @@ Look for: a progress line inside each epoch, then one line per epoch with train 
 accuracy and samples/s (about 99 % test accuracy on MNIST after 2 epochs), and
 runs/00_single_gpu/{summary.json,checkpoint.pt}.
 
-Read also: common.py (choose_device, seed_everything, plan_batches); in plumbing/: data.py,
+Read also: common.py (choose_device, seed_everything, plan_batches); in harness/: data.py,
 model.py, checkpoint.py, metrics.py (Progress: progress lines, samples/s, the NaN check; test_sums).
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import torch
 import torch.nn.functional as F
 
 import common
-from plumbing import checkpoint, data, flags, metrics
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics
+from harness.model import build_model
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):

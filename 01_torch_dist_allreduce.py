@@ -22,7 +22,7 @@ size of a small layer's gradient. That is why DDP (step 03) packs gradients into
 Read also: common.py (choose_device: this process's GPU, or the CPU).
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import datetime
 import os
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import common
-from plumbing import flags
+from harness import flags
 
 
 def print_in_rank_order(rank: int, world_size: int, line: str) -> None:

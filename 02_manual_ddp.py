@@ -12,11 +12,11 @@ Run it:
 Look for: "world_size=2 batch=256 (= 2 ranks x 128 ...)" in the first line (--batch-size is the
 GLOBAL batch), then about the accuracy of step 00.
 
-Read also: common.py (choose_device, seed_everything, plan_batches); plumbing/metrics.py
-(Progress, test_sums), plumbing/checkpoint.py.
+Read also: common.py (choose_device, seed_everything, plan_batches); harness/metrics.py
+(Progress, test_sums), harness/checkpoint.py.
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import datetime
 import os
 
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-from plumbing import checkpoint, data, flags, metrics
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics
+from harness.model import build_model
 
 
 def setup(args):

@@ -18,11 +18,11 @@ Look for: the losses of step 02 for the same seed (on 2 ranks the weights are eq
 bit). With --profile, `python bench/timeline.py runs/02b_overlap_by_hand` draws the all-reduce
 starting inside backward, where step 02's starts after it.
 
-Read also: common.py (choose_device, seed_everything, plan_batches); plumbing/metrics.py
-(Progress, test_sums), plumbing/checkpoint.py.
+Read also: common.py (choose_device, seed_everything, plan_batches); harness/metrics.py
+(Progress, test_sums), harness/checkpoint.py.
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import datetime
 import os
 
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-from plumbing import checkpoint, data, flags, metrics
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics
+from harness.model import build_model
 
 
 def setup(args):

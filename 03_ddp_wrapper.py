@@ -28,11 +28,11 @@ Run it:
 Look for: the losses of step 02 for the same seed, and after the first epoch the buckets DDP
 built: which parameters, in which order, how large.
 
-Read also: common.py (choose_device, seed_everything, plan_batches); plumbing/metrics.py
-(Progress, test_sums), plumbing/checkpoint.py.
+Read also: common.py (choose_device, seed_everything, plan_batches); harness/metrics.py
+(Progress, test_sums), harness/checkpoint.py.
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import datetime
 import os
 from contextlib import nullcontext
@@ -44,8 +44,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-from plumbing import checkpoint, data, flags, metrics
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics
+from harness.model import build_model
 
 
 def setup(args):

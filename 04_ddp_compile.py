@@ -16,10 +16,10 @@ Look for: "compile=on", then "first step N s" (the compile) far above a normal s
 dropout draws other masks than eager: losses differ from step 03 unless you pass --no-dropout.
 
 Read also: common.py (setup_distributed: step 02's setup; describe_buckets: step 03's),
-plumbing/metrics.py (Progress: first_step_seconds).
+harness/metrics.py (Progress: first_step_seconds).
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 from contextlib import nullcontext
 
@@ -30,8 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-from plumbing import checkpoint, data, flags, metrics
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics
+from harness.model import build_model
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):

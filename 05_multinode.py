@@ -17,10 +17,10 @@ Look for: one line per rank naming its node, host, local rank and device. A hang
 means the agents never met: same --rdzv-endpoint, --rdzv-id and --nnodes on every node?
 
 Read also: common.py (setup_distributed, slurm_head_address, slurm_tasks_on_this_node),
-plumbing/data.py (load_datasets: a download on each node, renamed into place).
+harness/data.py (load_datasets: a download on each node, renamed into place).
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 from contextlib import nullcontext
@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-from plumbing import checkpoint, data, flags, metrics
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics
+from harness.model import build_model
 
 
 def use_srun_identity():

@@ -14,11 +14,11 @@ On NFS or Lustre, export HDF5_USE_FILE_LOCKING=FALSE: reading needs no locks, an
 
 Look for: "<file>: N training samples (streamed, in chunks of C)", then step 05's accuracy.
 
-Read also: plumbing/step06_digits_h5.py (prepare_if_missing, open_checked, stream_ranges,
+Read also: harness/step06_digits_h5.py (prepare_if_missing, open_checked, stream_ranges,
 read_rows), common.py (setup_distributed).
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 from contextlib import nullcontext
@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import IterableDataset, Subset, get_worker_info
 
 import common
-from plumbing import checkpoint, data, flags, metrics, step06_digits_h5 as digits_h5
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics, step06_digits_h5 as digits_h5
+from harness.model import build_model
 
 
 def use_srun_identity():

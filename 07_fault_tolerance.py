@@ -16,11 +16,11 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 Look for: `kill -9` one worker: torchrun restarts the group, "resumed at step S of epoch E".
 SIGTERM to torchrun: "stopping at step S of epoch E (SIGTERM): checkpoint saved".
 
-Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
-ignore_stop_signals, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
+Read also: harness/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
+ignore_stop_signals, check_restart_store), harness/checkpoint.py (save: atomic; restore).
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 from contextlib import nullcontext
@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 
 import common
-from plumbing import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
+from harness.model import build_model
 
 
 def use_srun_identity():

@@ -14,12 +14,12 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 
 Look for: "each rank holds 599,941 of the 1,199,882 parameters"; peak_memory_mib in summary.json.
 
-Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
-ignore_stop_signals, check_restart_store), plumbing/checkpoint.py (save: atomic; restore).
-And plumbing/step08_fsdp2.py: the one file restored into shards, and what each rank holds.
+Read also: harness/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
+ignore_stop_signals, check_restart_store), harness/checkpoint.py (save: atomic; restore).
+And harness/step08_fsdp2.py: the one file restored into shards, and what each rank holds.
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 
@@ -34,9 +34,9 @@ from torch.utils.data import Subset
 
 import common
 common.require_torch("2.9", "FSDP2 on gloo: before 2.9 its gradients were summed, not averaged")
-from plumbing import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
-from plumbing import step08_fsdp2 as sharded
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
+from harness import step08_fsdp2 as sharded
+from harness.model import build_model
 
 
 def use_srun_identity():

@@ -15,12 +15,12 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 
 Look for: "checkpoint ...: 0.0x s blocking training, then 0.x s in the background".
 
-Read also: plumbing/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
-ignore_stop_signals, check_restart_store), plumbing/step08_fsdp2.py (what each rank holds).
-And plumbing/step09_dcp_checkpoint.py: a folder's atomic commit, the RNG files, export, safe reads.
+Read also: harness/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
+ignore_stop_signals, check_restart_store), harness/step08_fsdp2.py (what each rank holds).
+And harness/step09_dcp_checkpoint.py: a folder's atomic commit, the RNG files, export, safe reads.
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import os
 
@@ -36,9 +36,9 @@ from torch.utils.data import Subset
 
 import common
 common.require_torch("2.9", "FSDP2 on gloo: before 2.9 its gradients were summed, not averaged")
-from plumbing import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
-from plumbing import step08_fsdp2 as sharded, step09_dcp_checkpoint as dcp_checkpoint
-from plumbing.model import build_model
+from harness import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
+from harness import step08_fsdp2 as sharded, step09_dcp_checkpoint as dcp_checkpoint
+from harness.model import build_model
 
 
 def use_srun_identity():

@@ -40,12 +40,12 @@ Look for: each --bug run ends within --timeout (10 s here) plus a few seconds, n
 its last line starts with "diagnosis:" and names the rank that is behind and the collective it
 missed, or the shapes that differ. Then find the line marked "BUG" below.
 
-Read also: plumbing/step10_debugging.py (asking every rank for its state once one has failed,
+Read also: harness/step10_debugging.py (asking every rank for its state once one has failed,
 and turning those states into the one diagnosis line),
 docs/debugging.md (each tool in depth, what works with gloo and NCCL and what does not).
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import datetime
 import os
 import traceback
@@ -58,11 +58,11 @@ from torch.utils.data import DistributedSampler, Subset
 
 import common
 common.require_torch("2.8", "the Flight Recorder's dump on gloo")  # before it is imported below
-from plumbing import data, flags
-from plumbing import step10_debugging as debug
-from plumbing.model import build_model
+from harness import data, flags
+from harness import step10_debugging as debug
+from harness.model import build_model
 
-EXIT_HANG = 3  # the exit code of a run whose collective failed (as in plumbing/errors.py)
+EXIT_HANG = 3  # the exit code of a run whose collective failed (as in harness/errors.py)
 
 
 def turn_on_tools() -> None:

@@ -20,7 +20,7 @@ checkpointing, gradient clipping, and a checkpoint to save. YourModel below has 
                        `unused` is what makes reentrant checkpointing fail)
 
 The proof: rank 0 gathers every rank's micro-batches and trains a copy of the model as one
-process would, over the same global batch (plumbing/step11_your_model.py). After each step it
+process would, over the same global batch (harness/step11_your_model.py). After each step it
 compares the forward outputs, the clipped gradients, every rank's BatchNorm running statistics
 and the weights with the copy's; the fixed run equals it within float32's rounding (1e-5).
 The data are the steps' digits, loaded as every step loads them (synthetic by default, --data
@@ -36,11 +36,11 @@ Look for: every --bug run ends in seconds, non-zero, and its last line starts wi
 "diagnosis:" (torch's own error quoted above it, or the numbers the check measured); --fix
 exits 0 and prints each equality. Then find the line marked "BUG" below.
 
-Read also: plumbing/step11_your_model.py (the one-process copy, gathering and comparing),
+Read also: harness/step11_your_model.py (the one-process copy, gathering and comparing),
 docs/your-model.md (each mistake, what torch 2.15.0 says, the numbers measured).
 """
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import os
 import warnings
 from contextlib import nullcontext
@@ -55,8 +55,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DistributedSampler
 
 import common
-from plumbing import data, flags
-from plumbing import step11_your_model as check
+from harness import data, flags
+from harness import step11_your_model as check
 
 # torch 2.15 warns on every use: "torch.distributed.nn.functional.all_reduce is deprecated, use
 # torch.distributed._functional_collectives.all_reduce instead": a private module. This public

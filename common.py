@@ -2,9 +2,9 @@
 the batch plan, the learning-rate schedule.
 
 Step 00 first needs it. Each numbered step keeps its own idea in its own file; what all of
-them need but none of them teaches lives here or, below it, in the plumbing/ package: the
+them need but none of them teaches lives here or, below it, in the harness/ package: the
 command line (flags.py), errors.py, data.py, model.py, checkpoint.py, metrics.py,
-profiling.py. common.py imports from plumbing/, never the other way round.
+profiling.py. common.py imports from harness/, never the other way round.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plumbing.errors import UserError, record, report, run_main  # noqa: F401 -- steps use them
-from plumbing.ranks import all_ranks_agree, join_group, log  # noqa: F401 -- steps call log
-from plumbing.schedule import LRSchedule
+from harness.errors import UserError, record, report, run_main  # noqa: F401 -- steps use them
+from harness.ranks import all_ranks_agree, join_group, log  # noqa: F401 -- steps call log
+from harness.schedule import LRSchedule
 
 
 # ---------------------------------------------------------------- the torch this runs on
@@ -257,7 +257,7 @@ def lr_scale(args, plan: BatchPlan) -> float:
 
 
 def lr_schedule(optimizer, args, plan: BatchPlan, steps_per_epoch: int) -> LRSchedule:
-    """The learning rate of every optimizer step (plumbing/schedule.py): --lr x lr_scale after
+    """The learning rate of every optimizer step (harness/schedule.py): --lr x lr_scale after
     a linear warm-up of --warmup-steps from --lr, times 0.7 per epoch. Step it after every
     optimizer.step(); without scaling it is the per-epoch 0.7 decay of step 00."""
     return LRSchedule(optimizer, lr_scale(args, plan), args.warmup_steps, steps_per_epoch)

@@ -16,7 +16,7 @@ that fails stops the tour with its exit code, except a step that refuses this to
 
 from __future__ import annotations
 
-import plumbing.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
 import argparse
 import json
 import signal
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import common
-from plumbing.flags import SAMPLES_LIMIT  # the steps' own bound on --train-samples
+from harness.flags import SAMPLES_LIMIT  # the steps' own bound on --train-samples
 
 REPO = Path(__file__).resolve().parent
 NO_SUMMARY = {"01_torch_dist_allreduce.py", "10_debugging.py", "11_your_model.py"}  # no summary.json

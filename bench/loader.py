@@ -23,9 +23,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from plumbing import data, step06_digits_h5 as digits_h5  # noqa: E402
-from plumbing.flags import SAMPLES_LIMIT, Parser, integer  # noqa: E402
-from plumbing.synthetic_digits import synthetic_digits  # noqa: E402
+from harness import data, step06_digits_h5 as digits_h5  # noqa: E402
+from harness.flags import SAMPLES_LIMIT, Parser, integer  # noqa: E402
+from harness.synthetic_digits import synthetic_digits  # noqa: E402
 
 def epoch_rate(loader) -> float:
     started, samples = time.perf_counter(), 0
@@ -35,7 +35,7 @@ def epoch_rate(loader) -> float:
 
 
 def main():
-    # One-line errors (plumbing/flags.py), checked before the data is drawn.
+    # One-line errors (harness/flags.py), checked before the data is drawn.
     parser = Parser(prog="bench/loader.py", description=__doc__)
     parser.add_argument("--samples", type=integer(1, SAMPLES_LIMIT, "--samples"), default=60_000)
     parser.add_argument("--batch-size", type=integer(1, SAMPLES_LIMIT, "--batch-size"),

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import REPO, interleaved, machine  # noqa: E402
-from plumbing.flags import SAMPLES_LIMIT, Parser, integer, writable_file  # noqa: E402
+from harness.flags import SAMPLES_LIMIT, Parser, integer, writable_file  # noqa: E402
 
 
 def configs(opts) -> list[tuple[str, int, list]]:
@@ -101,7 +101,7 @@ def report(results: dict, opts) -> str:
 
 
 def main():
-    # One-line errors (plumbing/flags.py), checked before the first of many runs.
+    # One-line errors (harness/flags.py), checked before the first of many runs.
     parser = Parser(prog="bench/lr_scaling.py", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=integer(1, 1000, "--repeats"), default=3,

@@ -2,7 +2,7 @@
 
     python bench/memory_loader.py            # 60,000 synthetic digits, batch 256, 3 epochs
 
-Each configuration draws 3 epochs of batches (no model) through plumbing/data.py's make_loader,
+Each configuration draws 3 epochs of batches (no model) through harness/data.py's make_loader,
 timing each epoch from the loader's first request to its last batch, so worker start-up counts
 where it happens; configurations interleaved, 5 repeats, median and range of samples/s. The
 Digits dataset fetches a whole batch with one indexing op (__getitems__), so the main process
@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from plumbing import data  # noqa: E402
-from plumbing.synthetic_digits import synthetic_digits  # noqa: E402
+from harness import data  # noqa: E402
+from harness.synthetic_digits import synthetic_digits  # noqa: E402
 
 CONFIGS = {"0 workers": (0, False), "2 workers, re-forked each epoch": (2, False),
            "2 persistent workers": (2, True)}

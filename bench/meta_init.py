@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from plumbing.flags import Parser, integer  # noqa: E402
-from plumbing.model import build_model  # noqa: E402
+from harness.flags import Parser, integer  # noqa: E402
+from harness.model import build_model  # noqa: E402
 
 
 def build(opts) -> nn.Module:

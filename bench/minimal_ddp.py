@@ -28,9 +28,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, Subset  # noqa: E402
 
-from plumbing.data import Digits  # noqa: E402
-from plumbing.model import Net  # noqa: E402
-from plumbing.synthetic_digits import synthetic_digits  # noqa: E402
+from harness.data import Digits  # noqa: E402
+from harness.model import Net  # noqa: E402
+from harness.synthetic_digits import synthetic_digits  # noqa: E402
 
 
 def main():

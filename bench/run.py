@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from plumbing.flags import SAMPLES_LIMIT, Parser, integer, writable_file  # noqa: E402
+from harness.flags import SAMPLES_LIMIT, Parser, integer, writable_file  # noqa: E402
 
 
 @dataclass
@@ -322,7 +322,7 @@ def row_list(text: str) -> str:
 
 
 def main():
-    # One-line errors (plumbing/flags.py), checked before the first of many runs.
+    # One-line errors (harness/flags.py), checked before the first of many runs.
     parser = Parser(prog="bench/run.py", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=row_list, default=",".join(ROWS))

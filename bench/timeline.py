@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root
-from plumbing.profiling import COMM_MARKERS, DEVICE_CATEGORIES  # noqa: E402
+from harness.profiling import COMM_MARKERS, DEVICE_CATEGORIES  # noqa: E402
 
 PHASES = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
           "communication": "#c44e52", "device compute": "#8172b3",

@@ -12,7 +12,7 @@ every step, so all three settings compute the same thing and only the bookkeepin
   True                the walk after every forward
   static_graph=True   DDP records the used set in the first step and never walks again
 
-Two models: the tutorial's CNN (plumbing/model.py: 8 parameter tensors, convolutions dominate)
+Two models: the tutorial's CNN (harness/model.py: 8 parameter tensors, convolutions dominate)
 and a deep narrow MLP (64 Linear layers, 64 wide: 128 parameter tensors, little compute each), on
 random data. In one process per rank, the three settings wrap three copies of the model and
 take turns step by step: every round times one step of each, in an order that rotates from
@@ -41,7 +41,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from plumbing.model import Net  # noqa: E402
+from harness.model import Net  # noqa: E402
 
 SETTINGS = {"find_unused_parameters=False": {},
             "find_unused_parameters=True": {"find_unused_parameters": True},

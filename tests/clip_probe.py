@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
-from plumbing.model import Net  # noqa: E402
+from harness.model import Net  # noqa: E402
 
 MAX_NORM = 0.5  # well below this batch's gradient norm, so clipping scales every gradient
 

@@ -1,4 +1,4 @@
-"""Shared test plumbing: small MNIST-format files, and launching steps as real processes.
+"""Shared test harness: small MNIST-format files, and launching steps as real processes.
 
 Every test here starts the tutorial's scripts the way a user does (plain python or torchrun)
 on the CPU with gloo, GPUs or not (see HIDE_GPUS; only test_gpu.py opts in). Each launch costs
@@ -20,7 +20,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from plumbing.synthetic_digits import synthetic_digits  # noqa: E402
+from harness.synthetic_digits import synthetic_digits  # noqa: E402
 
 TRAIN_SAMPLES, TEST_SAMPLES = 1200, 299  # 299 is prime: it divides over no world size
 
@@ -113,8 +113,8 @@ def run_step(script: str, args: list, *, nproc: int | None = None, probe_dir: Pa
 
 def saved_checkpoint(folder: Path) -> tuple[Path, tuple]:
     """A plain model, optimizer and scheduler, saved as <folder>/checkpoint.pt after "epoch 1"."""
-    from plumbing import checkpoint
-    from plumbing.model import Net
+    from harness import checkpoint
+    from harness.model import Net
 
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -35,7 +35,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from plumbing import data  # noqa: E402
+from harness import data  # noqa: E402
 
 seen = {"steps": 0}
 fetched = defaultdict(list)

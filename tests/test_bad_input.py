@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import common
-from plumbing import checkpoint, data
+from harness import checkpoint, data
 from conftest import (REPO, assert_no_traceback, base_env, launch, run_step, saved_checkpoint,
                       write_idx)
 
@@ -301,7 +301,7 @@ def test_the_loss_check_reads_every_rank_in_one_transfer(monkeypatch):
     ranks' first bad steps in one copy (here a world of one; the runs above prove the ranks)."""
     from types import SimpleNamespace
 
-    from plumbing import metrics
+    from harness import metrics
 
     run = common.Run(torch.device("cpu"))
     progress = metrics.Progress(run, SimpleNamespace(quiet=True, lr=0.05), steps_per_epoch=20)
@@ -450,8 +450,8 @@ def dcp_checkpoints(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from plumbing.model import build_model
-    from plumbing.schedule import LRSchedule
+    from harness.model import build_model
+    from harness.schedule import LRSchedule
 
     root = tmp_path_factory.mktemp("dcp")
     for name, epoch, steps_per_epoch in [("epoch-1", -1, 2), ("0-steps", 1, 0)]:
@@ -694,7 +694,7 @@ def test_world_size_and_rank_by_hand_form_a_group_and_a_lone_one_names_them(tmp_
 def test_a_busy_master_port_is_checked_on_rank_0_only(monkeypatch, capsys, tmp_path):
     """srun's tasks have no RANK yet when their flags are parsed (use_srun_identity sets it
     after): task 1 would have found the port taken by task 0's store, and refused."""
-    from plumbing import flags
+    from harness import flags
 
     for name in [n for n in os.environ if n.startswith(("SLURM_", "TORCHELASTIC_"))] + [
             "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"]:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from plumbing.model import build_model
+from harness.model import build_model
 
 from conftest import (TEST_SAMPLES, launch, max_difference, rank_params, read_summary, run_step)
 
@@ -223,7 +223,7 @@ import os, sys, torch, torch.distributed as dist, torch._dynamo
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.getcwd())
-from plumbing.model import Net
+from harness.model import Net
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 dist.init_process_group("gloo", rank=0, world_size=1)
 for order in ("compile the wrapper", "wrap the compiled model"):

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 from conftest import REPO, assert_no_traceback, run_step
-from plumbing import step10_debugging as debug
+from harness import step10_debugging as debug
 
 BUG_TIMEOUT = 6  # seconds a collective waits: skip and uneven hang this long, then fail
 HANG_GUARD_SECONDS = 180  # a run that has not ended by then hangs (startup alone is ~10 s)
@@ -135,7 +135,7 @@ def test_fix_exits_0_at_3_ranks(tmp_path):
 ])
 def test_refused_before_any_work(args, env, message):
     """One line, exit 2, before any process group exists. An unreadable TORCH_FR_BUFFER_SIZE
-    is checked by every step (plumbing/errors.run_main): torch itself aborts on it with no
+    is checked by every step (harness/errors.run_main): torch itself aborts on it with no
     message (SIGABRT) once a group is made, which 10 always does."""
     proc = run_step("10_debugging.py", args, env_extra=env, check=False, timeout=120)
     assert proc.returncode == 2

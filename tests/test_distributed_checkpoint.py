@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, base_env,
                       frames_of_ours, read_summary, run_step, torchrun_cmd)
-from plumbing import step09_dcp_checkpoint as dcp_checkpoint
-from plumbing.errors import UserError
-from plumbing.model import Net
+from harness import step09_dcp_checkpoint as dcp_checkpoint
+from harness.errors import UserError
+from harness.model import Net
 
 STEP = "09_distributed_checkpoint.py"
 

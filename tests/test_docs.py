@@ -46,7 +46,7 @@ def test_every_relative_link_resolves():
 
 
 def test_every_file_named_in_the_docs_exists():
-    """`plumbing/checkpoint.py`, `slurm/multinode.sh`, or a bare `metrics.py` that is somewhere."""
+    """`harness/checkpoint.py`, `slurm/multinode.sh`, or a bare `metrics.py` that is somewhere."""
     files = tracked_files()
     names = {Path(f).name for f in files}
     missing = []

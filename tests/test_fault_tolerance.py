@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from plumbing import checkpoint
-from plumbing import step07_fault_tolerance as fault_tolerance
-from plumbing import step09_dcp_checkpoint as dcp_checkpoint
+from harness import checkpoint
+from harness import step07_fault_tolerance as fault_tolerance
+from harness import step09_dcp_checkpoint as dcp_checkpoint
 from conftest import (REPO, RESTART_ARGS, base_env, max_difference, rank_params, read_summary,
                       run_step, saved_checkpoint, torchrun_cmd)
 from conftest import launch as launch_cmd

@@ -11,9 +11,9 @@ import torch
 import common
 from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, launch, read_summary,
                       run_step, torchrun_cmd)
-from plumbing import flops
-from plumbing.model import Net
-from plumbing.synthetic_digits import synthetic_digits
+from harness import flops
+from harness.model import Net
+from harness.synthetic_digits import synthetic_digits
 
 SMALL = ["--train-samples", 512, "--test-samples", 200, "--batch-size", 64]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, RESTART_ARGS, base_env, launch, read_summary, run_step, torchrun_cmd
-from plumbing.model import Net
+from harness.model import Net
 
 STEP = "08_fsdp2.py"
 

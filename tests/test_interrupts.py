@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from plumbing import checkpoint
-from plumbing import step07_fault_tolerance as fault_tolerance
+from harness import checkpoint
+from harness import step07_fault_tolerance as fault_tolerance
 from conftest import REPO, base_env, torchrun_cmd
 
 # 80 steps of 12 (a long epoch at this machine's pace), a checkpoint every 4, one worker per rank.
@@ -127,7 +127,7 @@ def test_ctrl_c_to_the_main_process_ends_the_run_and_its_workers(tmp_path):
 CTRL_C_MID_SAVE = """
 import builtins, os, signal, sys
 import torch
-from plumbing import checkpoint, errors
+from harness import checkpoint, errors
 
 class CtrlCOnThirdWrite:
     def __init__(self, f):
@@ -172,7 +172,7 @@ def test_ctrl_c_inside_a_checkpoint_write_is_reported_as_ctrl_c(tmp_path):
 # every rank does when one rank failed. Then the report takes `sys.argv[1]` seconds more.
 SIGTERM_WHILE_REPORTING = """
 import os, signal, sys, time
-from plumbing import errors
+from harness import errors
 
 class SlowToSay(errors.UserError):
     def __str__(self):
@@ -337,7 +337,7 @@ def test_the_watchdog_is_started_once_per_process_and_sleeps():
     waiting on a closed socket wakes at once, for ever. The pytest process spun ~60 of them,
     a whole core of CI's two, for the rest of the session."""
     probe = ("import threading, time\n"
-             "from plumbing import errors\n"
+             "from harness import errors\n"
              "errors.watch_signals(); errors.watch_signals()\n"
              "start = time.process_time(); time.sleep(1)\n"
              "print(sum(t.name == 'signal watchdog' for t in threading.enumerate()),\n"

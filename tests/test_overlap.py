@@ -13,7 +13,7 @@ from conftest import REPO, assert_all_reduce_starts, max_difference, rank_params
 sys.path.insert(0, str(REPO / "bench"))
 import timeline  # noqa: E402  (bench/timeline.py)
 
-# 10 steps of 96 (2 ranks x 48): the profiler records steps 3-5 (see plumbing/profiling.py).
+# 10 steps of 96 (2 ranks x 48): the profiler records steps 3-5 (see harness/profiling.py).
 ARGS = ["--data", "mnist", "--train-samples", 960, "--test-samples", 100, "--batch-size", 96,
         "--epochs", 1, "--profile", "--quiet"]
 ACCUMULATE = ["--max-device-batch", 16]  # 48 per rank: 3 micro-batches of 16

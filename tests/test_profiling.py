@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO, assert_all_reduce_starts, assert_no_traceback, launch, run_step
-from plumbing import profiling
+from harness import profiling
 
 ARGS = ["--data", "mnist", "--train-samples", 960, "--test-samples", 100, "--batch-size", 96,
         "--epochs", 1, "--profile"]  # 10 steps per epoch: steps 3-5 are recorded

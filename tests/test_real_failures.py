@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import common
-from plumbing import checkpoint
+from harness import checkpoint
 from conftest import REPO, assert_no_traceback, base_env, launch, run_step, saved_checkpoint
 
 
@@ -69,7 +69,7 @@ def test_a_full_disk_during_a_background_dcp_save_is_one_line_and_leaves_no_half
     write meets the full disk first). Every rank learns it from DCP, so every rank ends with the
     same line (printed once per machine), the half-written folder is removed, and the link
     still names step 2's complete checkpoint."""
-    from plumbing import step09_dcp_checkpoint as dcp_checkpoint
+    from harness import step09_dcp_checkpoint as dcp_checkpoint
     proc = run_step("09_distributed_checkpoint.py", [
         "--data", "synthetic", "--train-samples", 96, "--test-samples", 20, "--batch-size", 24,
         "--epochs", 1, "--checkpoint-every", 2, "--quiet", "--out-dir", small_disk],
@@ -95,7 +95,7 @@ SAVE_FOREVER = textwrap.dedent("""
     import sys
     import torch
     from pathlib import Path
-    from plumbing import checkpoint
+    from harness import checkpoint
     model = torch.nn.Linear(4096, 4096)  # 64 MiB of weights: each save takes a while
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
@@ -164,7 +164,7 @@ def test_the_timeline_names_an_empty_trace(tmp_path):
 def test_a_random_state_file_that_meets_a_full_disk_is_absent_not_cut(small_disk):
     """Step 09's per-rank files (rng-rank<R>.pt, run.json) are written through a temporary
     file, fsync and a rename: a full disk leaves neither a cut file nor the temporary one."""
-    from plumbing import step09_dcp_checkpoint as dcp_checkpoint
+    from harness import step09_dcp_checkpoint as dcp_checkpoint
     (small_disk / "filler").write_bytes(b"\0" * (12 * 2**20 - 2**18))  # all but 256 KiB
     with pytest.raises(OSError, match="No space left"):
         dcp_checkpoint.write_atomically(small_disk / "rng-rank0.pt", b"\1" * 2**20)
@@ -317,7 +317,7 @@ COMMITS = textwrap.dedent("""
     import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
     from concurrent.futures import Future
     import common
-    from plumbing import step07_fault_tolerance, step09_dcp_checkpoint as dcp_checkpoint
+    from harness import step07_fault_tolerance, step09_dcp_checkpoint as dcp_checkpoint
 
     out = Path(sys.argv[1])
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=0, world_size=1)
@@ -365,7 +365,7 @@ def test_09_a_folder_or_link_it_cannot_create_is_one_line_and_loses_nothing(tmpf
     OSError as tracebacks. Now each is one line (a UserError: exit 2 on every rank), the link
     still names the last committed checkpoint, and a complete checkpoint whose commit failed
     is kept, named in the line."""
-    from plumbing import step09_dcp_checkpoint as dcp_checkpoint
+    from harness import step09_dcp_checkpoint as dcp_checkpoint
     disk = tmpfs("size=16m,nr_inodes=64")
     proc = launch([sys.executable, "-c", COMMITS, str(disk), str(tmp_path / "store")])
     said = dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from plumbing import checkpoint
+from harness import checkpoint
 from conftest import assert_no_traceback, run_step
 
 SAMPLES, BATCH = 480, 24  # 20 steps of 24: every sample is trained once per epoch (no remainder)

@@ -101,7 +101,7 @@ def test_ctrl_c_during_a_slow_checkpoint_read_ends_09(dcp_checkpoint, tmp_path):
 CTRL_C_IN_TEARDOWN = """
 import os, signal
 import torch.distributed as dist
-from plumbing import errors
+from harness import errors
 
 destroy = dist.destroy_process_group
 
@@ -172,7 +172,7 @@ def test_stopping_the_tour_stops_its_step(tmp_path, signum):
     assert alive(everyone) == []
 
 
-MARKER_PROBE = "from plumbing import errors; errors.report('the planted error')"
+MARKER_PROBE = "from harness import errors; errors.report('the planted error')"
 
 
 def report_from_two_ranks(tmp: Path) -> list[str]:
@@ -213,7 +213,7 @@ def test_a_link_planted_as_the_error_marker_folder_is_not_followed(tmp_path):
 # peer: Python runs no handler there), so that its watchdog ends it, 3 s after a Ctrl-C.
 STUCK_RANK = """
 import signal, time
-from plumbing import errors
+from harness import errors
 
 def main():
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the main thread only

@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import common
-from plumbing import step06_digits_h5 as digits_h5
-from plumbing.data import MNIST_MEAN, MNIST_STD, Digits
+from harness import step06_digits_h5 as digits_h5
+from harness.data import MNIST_MEAN, MNIST_STD, Digits
 
 from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, launch, read_summary,
                       run_step, torchrun_cmd)

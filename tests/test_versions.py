@@ -29,14 +29,14 @@ def test_version_comparison():
     assert not common.torch_older_than(torch.__version__)
 
 
-def test_every_gated_step_checks_before_its_plumbing_imports():
-    """The check must come before anything only a newer torch can import (10's plumbing)."""
+def test_every_gated_step_checks_before_its_harness_imports():
+    """The check must come before anything only a newer torch can import (10's harness)."""
     gated = {script: common.torch_needed_by(REPO / script) for script, *_ in tour.STEPS}
     gated = {script: version for script, version in gated.items() if version}
     assert set(gated) >= {"10_debugging.py"}, gated
     for script in gated:
         source = (REPO / script).read_text()
-        assert source.index("common.require_torch(") < source.index("\nfrom plumbing"), script
+        assert source.index("common.require_torch(") < source.index("\nfrom harness"), script
 
 
 # What 01, 03 and docs/steps.md state of this torch (2.15), checked in a world of one.
@@ -90,7 +90,7 @@ import torch._C._distributed_c10d as c10d
 del torch.serialization._get_layout, dcp_filesystem._StorageInfo, c10d._dump_fr_trace
 if hasattr(c10d, "_dump_nccl_trace"):
     del c10d._dump_nccl_trace
-from plumbing import step09_dcp_checkpoint as dcp_checkpoint, step10_debugging as debug
+from harness import step09_dcp_checkpoint as dcp_checkpoint, step10_debugging as debug
 assert not [key for key in dcp_checkpoint.METADATA_GLOBALS if key[1] in ("_get_layout",
                                                                           "_StorageInfo")]
 assert all(pickle.loads(debug.dump_for(name)()) == {} for name in ("gloo", "nccl2", "nccl"))
@@ -98,10 +98,10 @@ print("fallbacks taken")
 """
 
 
-def test_a_torch_without_the_private_apis_the_plumbing_uses_takes_their_fallbacks():
+def test_a_torch_without_the_private_apis_the_harness_uses_takes_their_fallbacks():
     """Every private torch API is looked up (hasattr, a signature), not assumed from a version:
-    a torch without one imports the plumbing all the same. (Here they are deleted from this
-    torch before the plumbing is imported: the imports of 09's and 10's plumbing failed.)"""
+    a torch without one imports the harness all the same. (Here they are deleted from this
+    torch before the harness is imported: the imports of 09's and 10's harness failed.)"""
     proc = subprocess.run([sys.executable, "-c", ABSENT_PRIVATE_APIS], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "fallbacks taken" in proc.stdout, proc.stderr[-3000:]

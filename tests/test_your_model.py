@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, assert_no_traceback, run_step
-from plumbing import data
+from harness import data
 
 BUGS = ["sampler", "unused", "batchnorm", "clip", "checkpointing", "save"]
 RUNS = [("fix", 2), ("fix", 3), *[(bug, 2) for bug in BUGS],

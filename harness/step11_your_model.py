@@ -43,7 +43,7 @@ class WithIndex(Dataset):
     def __getitem__(self, index):
         return (*self.dataset[index], index)
 
-    def __getitems__(self, indices):  # a whole batch at once, as plumbing/data.py's Digits does
+    def __getitems__(self, indices):  # a whole batch at once, as harness/data.py's Digits does
         return [(*item, i) for item, i in zip(self.dataset.__getitems__(indices), indices)]
 
 

@@ -1,4 +1,4 @@
-"""The plumbing every step needs and none of them teaches.
+"""The harness every step needs and none of them teaches.
 
 A learner reads the numbered steps and common.py at the root; this package holds what they
 call without it being a lesson: the command line (flags), one-line errors (errors), MNIST and

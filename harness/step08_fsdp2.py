@@ -3,7 +3,7 @@ optimizer state in the form a plain optimizer saves, and what each rank holds (i
 peak memory).
 
 Step 08 first needs it. 08 gathers the whole state to rank 0 and writes it as 07 does
-(plumbing/checkpoint.py); torch's state-dict API names the optimizer's parameters ("fc1.weight")
+(harness/checkpoint.py); torch's state-dict API names the optimizer's parameters ("fc1.weight")
 where `optimizer.state_dict()` numbers them (0, 1, ...): the file keeps the numbers, so that
 any step, and a plain Net with its SGD, loads it.
 """

@@ -87,7 +87,7 @@ def peak_flops(device: torch.device, bf16: bool) -> tuple[float | None, str]:
         name = torch.cuda.get_device_name(device)
         peaks = gpu_peaks(name)
         if peaks is None:
-            return None, f"{name}: peak unknown (add it to plumbing/flops.py GPU_PEAKS)"
+            return None, f"{name}: peak unknown (add it to harness/flops.py GPU_PEAKS)"
         precision = "bf16" if bf16 else "tf32"
         return peaks[0] if bf16 else peaks[1], f"{name}, dense {precision} datasheet"
     threads = torch.get_num_threads()

@@ -1,4 +1,4 @@
-"""Small rank-aware helpers the plumbing shares with the steps (which call them through
+"""Small rank-aware helpers the harness shares with the steps (which call them through
 common.py): join the group, print once, and take the same branch on every rank.
 
 They live here, below common.py, so that the package never imports from the root.
