@@ -1,23 +1,16 @@
 """Step 01: process groups, ranks and collectives, the primitives DDP is built from.
 
-`torchrun --nproc-per-node N` starts N copies of this script. Each copy (a "rank") learns who
-it is from environment variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), joins
-a process group, and can then take part in collectives: operations that every rank calls
-together and that exchange tensors between them. DDP needs only two of them: a broadcast (copy
-rank 0's weights to everyone) and an all-reduce (sum every rank's gradients).
+`torchrun --nproc-per-node N` starts N copies (ranks); each reads RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT, joins a process group and calls collectives with the others. DDP
+needs two: broadcast (rank 0's weights to all) and all-reduce (the sum of all ranks' gradients).
 
 Run it:
     torchrun --standalone --nproc-per-node 2 01_torch_dist_allreduce.py  # CPU (gloo) or GPUs (nccl)
     python 01_torch_dist_allreduce.py                                     # a world of one
     torchrun --standalone --nproc-per-node 2 01_torch_dist_allreduce.py --bench  # bandwidth sweep
 
-Look for: each rank prints its tensor before and after each collective. Rank r starts with
-r + 1, so with N ranks you can check by hand: all_reduce(sum) gives N(N+1)/2 on every rank,
-the average (N+1)/2, broadcast gives rank 0's value everywhere, all_gather [1, 2, ..., N].
-With --bench: all-reduce times from 4 KiB to --max-mb (64 MiB), and the bandwidth they reach.
-A small message costs about the same time as one many times its size, so its bandwidth is
-tiny: compare the rows marked at DDP's bucket sizes (1 MiB, 25 MiB) with the 4 KiB row, the
-size of a small layer's gradient. That is why DDP (step 03) packs gradients into buckets.
+Look for: rank r starts with r + 1, so all_reduce(sum) gives N(N+1)/2 on each of N ranks. With
+--bench, a 4 KiB message's tiny bandwidth: why DDP sends buckets (docs/steps.md, "01").
 
 Read also: common.py (choose_device: this process's GPU, or the CPU).
 """

@@ -1,22 +1,15 @@
 """Step 02b: step 02's all-reduce, in buckets, while backward() still runs: DDP's overlap by hand.
 
-Step 02 waits until backward() has ended, then all-reduces the gradients one by one: meanwhile
-nothing computes. Here autograd calls a hook on each parameter the moment its gradient is ready
-(the last layer's first). The hook puts that gradient into a bucket; once the bucket holds
---bucket-cap-mb, its gradients are flattened into one tensor and all-reduced with
-async_op=True: the call returns at once, and gloo or NCCL send it while backward() goes on
-computing the earlier layers' gradients. Before optimizer.step() we wait for every bucket,
-copy the sums back and divide by N. Buckets, because one large message costs far less than
-many small ones (`01_torch_dist_allreduce.py --bench` measures it); a small first bucket, so
-that communication starts early. Step 03's DDP does this for you.
+Autograd calls a hook on each parameter as soon as its gradient is ready, last layer first. The
+hook adds it to a bucket; a full bucket (--bucket-cap-mb) is all-reduced with async_op=True, and
+optimizer.step() waits for them all. Why buckets, and what 03's DDP adds: docs/inside-ddp.md.
 
 Run it:
     torchrun --standalone --nproc-per-node 2 02b_overlap_by_hand.py
     torchrun --standalone --nproc-per-node 2 02b_overlap_by_hand.py --bucket-cap-mb 0.05 --profile
 
-Look for: the losses of step 02 for the same seed (on 2 ranks the weights are equal bit for
-bit). With --profile, `python bench/timeline.py runs/02b_overlap_by_hand` draws the all-reduce
-starting inside backward, where step 02's starts after it.
+Look for: the losses of step 02 for the same seed (on 2 ranks, equal weights bit for bit). With
+--profile, `python bench/timeline.py runs/02b_overlap_by_hand` draws the all-reduce in backward.
 
 Read also: common.py (choose_device, seed_everything, plan_batches); harness/metrics.py
 (Progress, test_sums), harness/checkpoint.py.

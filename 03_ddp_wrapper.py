@@ -1,25 +1,8 @@
 """Step 03: the DistributedDataParallel wrapper replaces the hand-written sync of step 02.
 
-`DDP(model)` broadcasts rank 0's weights when it wraps the model, and all-reduces and averages
-gradients *during* backward(): they go into buckets, and a bucket is sent as soon as all its
-gradients are ready, so communication overlaps the rest of the backward pass instead of
-following it. `no_sync()` skips the all-reduce on micro-batches that only accumulate.
-
-Step 02b wrote that overlap by hand. What DDP adds, as read in torch 2.15's sources
-(nn/parallel/distributed.py, c10d's reducer, _dynamo/backends/distributed.py):
-- bucket rebuilding: its first backward sends all gradients as one bucket and notes the order
-  in which they arrive; then it rebuilds its buckets once in that order (rank 0's order,
-  broadcast to all; a world of one rebuilds too) and keeps them. Each is one flat buffer,
-  allocated once (torch 2.15 adds an opt-in, off by default: `lazy_bucket_allocation=True`
-  allocates it as its gradients arrive and frees it after backward), into which every
-  gradient is copied (times 1/N) as it arrives; buckets are all-reduced strictly in turn.
-- `no_sync()`, where 02b sets a flag by hand.
-- the C++ reducer: hooks, copies and waits run in C++, and the wait for the last bucket is
-  queued at the end of backward(), so the gradients are averaged when backward() returns
-  (2.15's opt-in `require_manual_backward_finalization = True` leaves that wait to the
-  caller's `finalize_backward()`, to overlap it with other work).
-- under torch.compile (step 04), DDPOptimizer splits the compiled graph at bucket boundaries:
-  one fused backward would make every gradient ready at once, and nothing would overlap.
+`DDP(model)` broadcasts rank 0's weights when it wraps the model, then averages gradients
+*during* backward(): in buckets, each all-reduced once all its gradients are ready, as 02b did
+by hand. `no_sync()` skips that on micro-batches that only accumulate. Inside: docs/inside-ddp.md.
 
 Run it:
     torchrun --standalone --nproc-per-node 2 03_ddp_wrapper.py

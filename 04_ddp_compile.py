@@ -1,12 +1,8 @@
 """Step 04: torch.compile on top of DDP.
 
-`torch.compile` traces the model into graphs and generates fused kernels (C++/OpenMP on the CPU,
-Triton on the GPU): fewer trips through memory, less Python per step, for a one-off compile in
-the first step. Compile the model, then wrap it: DDP(torch.compile(model)). Either order gets
-Dynamo's DDPOptimizer, which cuts the graph at DDP's bucket boundaries so all-reduce still
-overlaps backward, but compiling the wrapper, torch.compile(DDP(model)), also traces DDP's own
-forward and breaks the graph three times there (measured on torch 2.14; see docs/steps.md).
-From this step on, step 02's setup() and step 03's describe_buckets() live in common.py.
+`torch.compile` traces the model into graphs and generates fused kernels (C++/OpenMP on CPUs,
+Triton on GPUs); the first step pays for the compile. Compile, then wrap: DDP(torch.compile(model)).
+torch.compile(DDP(model)) also traces DDP's forward and breaks the graph: docs/inside-ddp.md.
 
 Run it:
     torchrun --standalone --nproc-per-node 2 04_ddp_compile.py             # compiled on GPUs

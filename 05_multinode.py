@@ -1,20 +1,15 @@
 """Step 05: many nodes. Step 04 unchanged in what it computes; what changes is who is who.
 
-The global rank (0..world_size-1 over all nodes) picks the data shard, and rank 0 prints and
-saves; the local rank (0..processes per node-1) picks the GPU, and local rank 0 downloads the
-data once per node; the node rank (torchrun's GROUP_RANK) numbers the machines. One torchrun
-agent per node starts that node's workers; the agents meet at --rdzv-endpoint and hand every
-worker its ranks. `srun python 05_multinode.py` (no torchrun) sets SLURM's variables instead.
+The global rank picks the data shard; the local rank (within a node) picks the GPU, and local
+rank 0 downloads the data once per node. How nodes meet, SLURM, a hang: docs/clusters.md.
 
 Run it:
     torchrun --standalone --nproc-per-node 2 05_multinode.py            # one machine
-    # on each of two machines (HOST: the first one's address; PORT: open between them):
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-id myrun \\
-        --rdzv-endpoint HOST:PORT 05_multinode.py
+        --rdzv-endpoint HOST:PORT 05_multinode.py  # on both machines; HOST:PORT on the first
     sbatch slurm/multinode.sh 05_multinode.py                          # SLURM
 
-Look for: one line per rank naming its node, host, local rank and device. A hang at start-up
-means the agents never met: same --rdzv-endpoint, --rdzv-id and --nnodes on every node?
+Look for: one line per rank naming its node, host, local rank and device.
 
 Read also: common.py (setup_distributed, slurm_head_address, slurm_tasks_on_this_node),
 harness/data.py (load_datasets: a download on each node, renamed into place).

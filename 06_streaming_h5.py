@@ -1,11 +1,8 @@
 """Step 06: stream the training set from an HDF5 file instead of holding it in memory.
 
-A side trip from step 05 (step 07 builds on 05). The training set lives in one chunked HDF5
-file, written once (`prepare`); each rank reads only its share, a few chunks at a time, in
-DataLoader workers that read while the model trains, so memory stays flat whatever the file's
-size. Three rules: open the file inside each worker (one HDF5 handle cannot serve two
-processes); read whole chunks (HDF5 reads a whole chunk to get any sample in it); shuffle twice,
-the chunk order (the same on every rank, new each epoch) and then samples within a few chunks.
+A side trip from step 05 (step 07 builds on 05). Each rank streams its share of one chunked HDF5
+file, a few chunks at a time, in DataLoader workers: memory stays flat whatever the file's size.
+Three rules (open it in each worker, read whole chunks, shuffle twice): docs/steps.md, "06".
 
 Run it:
     python 06_streaming_h5.py prepare --data mnist               # only write data/mnist.h5

@@ -1,12 +1,8 @@
 """Step 07: survive failures. A killed rank, a preempted job or a time limit costs minutes.
 
 Built on step 05. A process dies: `torchrun --max-restarts N` restarts the whole group, which
-continues from the newest checkpoint in --out-dir (a lost node comes back by a requeue, or with
-`--nnodes MIN:MAX`). The node is wanted back, or the time limit nears: SLURM sends SIGTERM,
-torchrun forwards it, and the ranks agree on a step, checkpoint there and exit 75 for a requeue.
-A checkpoint (every --checkpoint-every steps, and per epoch) holds the position in the epoch and
-every rank's random state: a resumed run computes exactly what an uninterrupted one would, with
-the same world size, --batch-size and --num-workers.
+continues from the newest checkpoint in --out-dir. SLURM sends SIGTERM: the ranks agree on a
+step, checkpoint there and exit 75 for a requeue. Exact resume, lost nodes: docs/fault-tolerance.md.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -16,8 +12,7 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 Look for: `kill -9` one worker: torchrun restarts the group, "resumed at step S of epoch E".
 SIGTERM to torchrun: "stopping at step S of epoch E (SIGTERM): checkpoint saved".
 
-Read also: harness/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
-ignore_stop_signals, check_restart_store), harness/checkpoint.py (save: atomic; restore).
+Read also: harness/step07_fault_tolerance.py (StopRequest, ResumableSampler), harness/checkpoint.py.
 """
 
 import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line

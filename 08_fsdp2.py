@@ -1,11 +1,8 @@
 """Step 08: shard instead of replicate. FSDP2, for a model too large for one device.
 
-Built on step 07. DDP keeps the whole model, its gradients and its optimizer state on every
-rank; `fully_shard` (FSDP2) keeps 1/N of each: it gathers a layer's weights before computing
-with them and averages and splits their gradients after backward. The model is built on the
-`meta` device and filled from rank 0's copy, so no other rank ever holds it whole; rank 0's CPU
-does, once (docs/fsdp.md shows the init that never builds it whole). Not sharded: activations, a
-layer while gathered, gradients while they accumulate. Checkpoints are 07's: rank 0's one file.
+Built on step 07. DDP keeps the whole model, its gradients and optimizer state on every rank;
+`fully_shard` (FSDP2) keeps 1/N of each, and gathers a layer's weights only while it computes.
+Checkpoints are 07's (rank 0's one file). What is not sharded, and the init: docs/fsdp.md.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -14,9 +11,8 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 
 Look for: "each rank holds 599,941 of the 1,199,882 parameters"; peak_memory_mib in summary.json.
 
-Read also: harness/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
-ignore_stop_signals, check_restart_store), harness/checkpoint.py (save: atomic; restore).
-And harness/step08_fsdp2.py: the one file restored into shards, and what each rank holds.
+Read also: harness/step08_fsdp2.py (the one file restored into shards, what each rank holds),
+and step 07's harness/step07_fault_tolerance.py and harness/checkpoint.py.
 """
 
 import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line

@@ -1,10 +1,7 @@
 """Step 09: every rank writes its own shards. Distributed checkpoints (DCP), on any world size.
 
-Built on step 08, whose rank 0 gathers the whole state into one file: the model FSDP exists for
-would not fit there. `dcp.async_save` has every rank write its own shards into one folder, in the
-background (training waits only while they are copied to host memory), and `dcp.load` has every
-rank read the pieces its shards need now: a checkpoint written by N ranks loads on M, exactly at
-the same world size. `export` writes one plain checkpoint.pt that step 00 loads.
+Built on step 08, whose rank 0 gathers the whole state into one file. Here each rank writes its
+own shards, in the background; N ranks' checkpoint loads on M; `export` writes one for step 00.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -15,9 +12,7 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 
 Look for: "checkpoint ...: 0.0x s blocking training, then 0.x s in the background".
 
-Read also: harness/step07_fault_tolerance.py (StopRequest, ResumableSampler, rng_state,
-ignore_stop_signals, check_restart_store), harness/step08_fsdp2.py (what each rank holds).
-And harness/step09_dcp_checkpoint.py: a folder's atomic commit, the RNG files, export, safe reads.
+Read also: harness/step09_dcp_checkpoint.py (atomic commit, RNG files, export), docs/fsdp.md.
 """
 
 import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line

@@ -1,48 +1,18 @@
-"""Step 10 (side trip from 03): find a hang in minutes. Three planted bugs, and the tools that
-name the rank that is behind.
+"""Step 10 (side trip from 03): find a hang in minutes: three planted bugs, and the tools.
 
-DDP runs one program on every rank and pairs their collectives by order alone: the n-th
-all-reduce of rank 0 meets the n-th of rank 1, whatever each rank meant by it. A rank that
-skips one, or makes one more, leaves the others waiting (until --timeout) or, with gloo, pairs
-two different collectives: tensors of different sizes crash gloo with an unreadable C++ error,
-tensors of the same size are silently summed wrong. The planted bugs are the ones learners meet,
-at any number of ranks N >= 2 (the data is sized so that rank 0 gets one sample more):
-
-  --bug skip    an early stop decided on rank 0 alone: rank 0 leaves the loop, the others train on
-  --bug shape   a metric whose length depends on the rank's data, all-reduced as it is
-  --bug uneven  hand-made shards of different sizes: rank 0 has one more batch than the others
-  --fix         the corrected code (an all-reduced flag; counts first, then equal shapes;
-                DistributedSampler's padding) under the same conditions
-
-The tools, all on in this step and named in its output with what they found:
-  TORCH_DISTRIBUTED_DEBUG=DETAIL  before every collective on a group it wraps (here `checked`,
-                see setup()), the ranks pass a monitored barrier and compare fingerprints (op,
-                shapes, dtypes): a mismatch is a readable error at once, and a rank that does
-                not come is named after --timeout;
-  the Flight Recorder             on by default (torch 2.15, gloo and both NCCL backends):
-                each rank keeps its last 2000 collectives (sequence number, op, shapes,
-                completed or not); TORCH_FR_BUFFER_SIZE=N keeps N instead, 0 turns it off.
-                This step collects every rank's record when a collective fails, and writes
-                files for torch's analyser;
-  py-spy dump --pid PID           (optional, pip install py-spy) the line a stuck process is on.
-On GPUs (NCCL) the step also sets TORCH_NCCL_BLOCKING_WAIT=1: see turn_on_tools().
-Set a variable yourself to override this step's choice, e.g. TORCH_DISTRIBUTED_DEBUG=OFF to
-watch gloo fail without DETAIL (--bug shape then ends in gloo's own abort, undiagnosed).
+Collectives are paired by order alone: a rank that skips one, or makes one more, leaves the
+others waiting, or (gloo) pairs two different ones. --bug skip, shape or uneven plants a mistake
+learners make; --fix is the corrected code. Torch's tools are all on: docs/debugging.md.
 
 Run it (any --nproc-per-node from 2; on GPUs, one per GPU):
-    torchrun --standalone --nproc-per-node 2 10_debugging.py --bug skip
-    torchrun --standalone --nproc-per-node 2 10_debugging.py --bug shape
+    torchrun --standalone --nproc-per-node 2 10_debugging.py --bug skip    # or --bug shape
     torchrun --standalone --nproc-per-node 3 10_debugging.py --bug uneven
     torchrun --standalone --nproc-per-node 2 10_debugging.py --fix
-    python -m torch.distributed.flight_recorder.fr_trace runs/10_debugging/flight_recorder
 
-Look for: each --bug run ends within --timeout (10 s here) plus a few seconds, non-zero, and
-its last line starts with "diagnosis:" and names the rank that is behind and the collective it
-missed, or the shapes that differ. Then find the line marked "BUG" below.
+Look for: each --bug run ends non-zero within --timeout (10 s here) plus a few seconds; its last
+line, "diagnosis: ...", names the rank behind. Then find the line marked "BUG" below.
 
-Read also: harness/step10_debugging.py (asking every rank for its state once one has failed,
-and turning those states into the one diagnosis line),
-docs/debugging.md (each tool in depth, what works with gloo and NCCL and what does not).
+Read also: harness/step10_debugging.py (the state of every rank, turned into the diagnosis line).
 """
 
 import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line

@@ -1,43 +1,18 @@
-"""Step 11 (side trip from 03): your own model under DDP. Six mistakes that 03's small CNN never
-shows, planted one at a time, each fixed beside it and proven by a check.
+"""Step 11 (side trip from 03): your own model under DDP: six mistakes, planted and fixed.
 
-Real models have BatchNorm, heads that only some steps use, blocks under activation
-checkpointing, gradient clipping, and a checkpoint to save. YourModel below has them all. Each
---bug plants the mistake people make with one of them (the other five stay fixed):
-
-  --bug sampler        no DistributedSampler: every rank draws the same samples (silent)
-  --bug unused         an auxiliary head used every other step, and DDP not told: it raises
-                       "Expected to have finished reduction in the prior iteration ..."
-  --bug batchnorm      plain BatchNorm: each rank normalises by its own samples' statistics
-                       (silent: N ranks no longer compute what one process computes)
-  --bug clip           clip_grad_norm_ inside the micro-batch loop: each rank clips its own
-                       gradient before DDP has averaged it (silent)
-  --bug checkpointing  activation checkpointing with use_reentrant=True: DDP raises "Expected
-                       to mark a variable ready only once"
-  --bug save           the DDP wrapper's state dict saved: every key starts with "module.",
-                       and a plain model refuses to load it
-  --fix                all six fixes in one run: they must also hold together (the fix for
-                       `unused` is what makes reentrant checkpointing fail)
-
-The proof: rank 0 gathers every rank's micro-batches and trains a copy of the model as one
-process would, over the same global batch (harness/step11_your_model.py). After each step it
-compares the forward outputs, the clipped gradients, every rank's BatchNorm running statistics
-and the weights with the copy's; the fixed run equals it within float32's rounding (1e-5).
-The data are the steps' digits, loaded as every step loads them (synthetic by default, --data
-mnist for MNIST): the sampler mistake needs a real Dataset and DataLoader. 4 steps of 16
-samples per rank keep every run to seconds.
+YourModel has BatchNorm, a head used every other step, activation checkpointing, clipping and a
+checkpoint. Each --bug (sampler, unused, batchnorm, clip, checkpointing, save) plants one mistake;
+--fix fixes all six. Rank 0 checks against one process: docs/your-model.md explains each.
 
 Run it (2 or more processes; GPUs use torch's SyncBatchNorm, CPUs the one written here):
     torchrun --standalone --nproc-per-node 2 11_your_model.py --bug unused
     torchrun --standalone --nproc-per-node 3 11_your_model.py --bug batchnorm
     torchrun --standalone --nproc-per-node 2 11_your_model.py --fix
 
-Look for: every --bug run ends in seconds, non-zero, and its last line starts with
-"diagnosis:" (torch's own error quoted above it, or the numbers the check measured); --fix
-exits 0 and prints each equality. Then find the line marked "BUG" below.
+Look for: every --bug run ends in seconds, non-zero, its last line "diagnosis: ..."; --fix exits
+0 and prints each equality. Then find the line marked "BUG" below.
 
-Read also: harness/step11_your_model.py (the one-process copy, gathering and comparing),
-docs/your-model.md (each mistake, what torch 2.15.0 says, the numbers measured).
+Read also: harness/step11_your_model.py (the one-process copy, gathering and comparing).
 """
 
 import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
