@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, base_env, launch,
+from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, TRAIN_SAMPLES, assert_no_traceback, base_env, launch,
                       max_difference, rank_params, read_summary, run_step, torchrun_cmd)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
@@ -118,7 +118,7 @@ def test_compile_against_eager_on_the_gpu_is_measured(mnist_root, tmp_path):
     rates, printed = {}, {}
     for mode in ("--compile", "--no-compile"):
         proc, summary = train("04_ddp_compile.py", [mode, "--epochs", 2, "--train-samples",
-                                                    4800, "--data-dir", mnist_root],
+                                                    TRAIN_SAMPLES, "--data-dir", mnist_root],
                               tmp_path / mode.strip("-"))
         rates[mode], printed[mode] = summary["samples_per_sec"], proc.stdout
         assert summary["test_accuracy"] > 0.3
