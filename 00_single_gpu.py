@@ -12,17 +12,16 @@ Look for: a progress line inside each epoch, then one line per epoch with train 
 accuracy and samples/s (about 99 % test accuracy on MNIST after 2 epochs), and
 runs/00_single_gpu/{summary.json,checkpoint.pt}.
 
-Read also: common.py (choose_device, seed_everything, plan_batches); in harness/: data.py,
-model.py, checkpoint.py, metrics.py (Progress: progress lines, samples/s, the NaN check; test_sums).
+Read also: common.py, what every step shares (the flags, the digits, the CNN, Progress, Metrics).
 """
 
-import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import contextlib
+# The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
+with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
 import torch
 import torch.nn.functional as F
 
 import common
-from harness import checkpoint, data, flags, metrics
-from harness.model import build_model
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
@@ -52,29 +51,29 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
 
 def evaluate(model, loader, run):
     """Loss and accuracy over the whole test set."""
-    return metrics.test_results(metrics.test_sums(model, loader, run))
+    return common.test_results(common.test_sums(model, loader, run))
 
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
-    args = flags.parser(__doc__, __file__).parse_args()  # every flag is checked here
+    args = common.parser(__doc__, __file__).parse_args()  # every flag is checked here
     run = common.Run(common.choose_device(args.device), amp=args.amp)
     common.set_deterministic(args.deterministic)  # GPUs too: the same seed, the same bits
-    train_set, test_set = data.load_datasets(args, run, download=True)
+    train_set, test_set = common.load_datasets(args, run, download=True)
     plan = common.plan_batches(args, run.world_size, len(train_set))
     common.announce(run, args, plan, __file__)
-    train_loader = data.make_loader(train_set, plan.per_rank, run, args, shuffle=True)
-    test_loader = data.make_loader(test_set, 1000, run, args)
+    train_loader = common.make_loader(train_set, plan.per_rank, run, args, shuffle=True)
+    test_loader = common.make_loader(test_set, 1000, run, args)
 
-    model = build_model(args, seed=args.seed).to(run.device)
+    model = common.build_model(args, seed=args.seed).to(run.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     start_epoch = 0
     if args.resume:
-        start_epoch = checkpoint.restore(args.resume, run, model, optimizer, scheduler)["epoch"]
+        start_epoch = common.restore_checkpoint(args.resume, run, model, optimizer, scheduler)["epoch"]
 
-    results, test = metrics.Metrics(run, args), None
-    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
+    results, test = common.Metrics(run, args), None
+    with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
             # Shuffling and dropout draw from these numbers alone, so a run resumed at this
             # epoch draws exactly what an uninterrupted run drew.
@@ -86,7 +85,7 @@ def main():
             lr = scheduler.last_step_lr()  # the rate the epoch ended with
             test = evaluate(model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
-            checkpoint.save(args.out_dir / "checkpoint.pt", model, optimizer, scheduler,
+            common.save_checkpoint(args.out_dir / "checkpoint.pt", model, optimizer, scheduler,
                             epoch + 1)
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(model, test_loader, run)

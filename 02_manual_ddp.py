@@ -12,11 +12,12 @@ Run it:
 Look for: "world_size=2 batch=256 (= 2 ranks x 128 ...)" in the first line (--batch-size is the
 GLOBAL batch), then about the accuracy of step 00.
 
-Read also: common.py (choose_device, seed_everything, plan_batches); harness/metrics.py
-(Progress, test_sums), harness/checkpoint.py.
+Read also: common.py, what every step shares (the flags, the digits, the CNN, Progress, Metrics).
 """
 
-import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import contextlib
+# The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
+with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
 import datetime
 import os
 
@@ -26,8 +27,6 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-from harness import checkpoint, data, flags, metrics
-from harness.model import build_model
 
 
 def setup(args):
@@ -89,16 +88,16 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
 def evaluate(model, loader, run):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
     correct answers, samples), then the sums are added up over all ranks."""
-    sums = metrics.test_sums(model, loader, run)
+    sums = common.test_sums(model, loader, run)
     dist.all_reduce(sums)
-    return metrics.test_results(sums)
+    return common.test_results(sums)
 
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
-    args = flags.parser(__doc__, __file__).parse_args()  # every flag is checked here
+    args = common.parser(__doc__, __file__).parse_args()  # every flag is checked here
     run = setup(args)
-    train_set, test_set = data.load_datasets(args, run, download=run.is_main)
+    train_set, test_set = common.load_datasets(args, run, download=run.is_main)
     plan = common.plan_batches(args, run.world_size, len(train_set))
     common.announce(run, args, plan, __file__)
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
@@ -106,23 +105,23 @@ def main():
     # the sampler pads with repeats so all ranks run the same number of steps.
     train_sampler = DistributedSampler(train_set, num_replicas=run.world_size, rank=run.rank,
                                        shuffle=True, seed=args.seed)
-    train_loader = data.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler)
+    train_loader = common.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler)
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = data.make_loader(test_shard, 1000, run, args)
+    test_loader = common.make_loader(test_shard, 1000, run, args)
 
-    model = build_model(args, seed=args.seed + run.rank).to(run.device)  # differs per rank
+    model = common.build_model(args, seed=args.seed + run.rank).to(run.device)  # differs per rank
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)  # ... until rank 0's weights are copied to every rank
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     start_epoch = 0
     if args.resume:
-        start_epoch = checkpoint.restore(args.resume, run, model, optimizer, scheduler)["epoch"]
+        start_epoch = common.restore_checkpoint(args.resume, run, model, optimizer, scheduler)["epoch"]
 
-    results, test = metrics.Metrics(run, args), None
-    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
+    results, test = common.Metrics(run, args), None
+    with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
             # Shuffling and dropout draw from these numbers alone, so a run resumed at this
             # epoch draws exactly what an uninterrupted run drew.
@@ -136,7 +135,7 @@ def main():
             test = evaluate(model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if run.is_main:  # all ranks hold the same weights: one writer is enough
-                checkpoint.save(args.out_dir / "checkpoint.pt", model, optimizer, scheduler,
+                common.save_checkpoint(args.out_dir / "checkpoint.pt", model, optimizer, scheduler,
                                 epoch + 1)
             dist.barrier()  # no rank may read the checkpoint before it is complete
     if test is None:  # resumed a finished run: evaluate only

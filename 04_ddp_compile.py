@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
+from harness import launcher
 from harness import checkpoint, data, flags, metrics
 from harness.model import build_model
 
@@ -80,7 +81,7 @@ def main():
     run = common.setup_distributed(args)  # step 02's setup(), now shared
     train_set, test_set = data.load_datasets(args, run, download=run.is_main)
     plan = common.plan_batches(args, run.world_size, len(train_set))
-    compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
+    compiled = launcher.compile_choice(args, run)  # default: on GPUs, if the node can build
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
     # rank on: disjoint shares that together cover the set. When the set does not divide,
@@ -126,7 +127,7 @@ def main():
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
-                common.log(run, common.describe_buckets(model))  # as in 03
+                common.log(run, launcher.describe_buckets(model))  # as in 03
             if run.is_main:  # all ranks hold the same weights: one writer is enough
                 checkpoint.save(args.out_dir / "checkpoint.pt", raw_model, optimizer,
                                 scheduler, epoch + 1)

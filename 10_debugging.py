@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-common.require_torch("2.8", "the Flight Recorder's dump on gloo")  # before it is imported below
+from harness import versions
+versions.require_torch("2.8", "the Flight Recorder's dump on gloo")  # before it is imported below
 from harness import data, flags
 from harness import step10_debugging as debug
 from harness.model import build_model

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DistributedSampler
 
 import common
+from harness import ranks
 from harness import data, flags
 from harness import step11_your_model as check
 
@@ -278,7 +279,7 @@ def main():
         raise SystemExit(EXIT_MISTAKE)
     sampled = check.overlap(torch.cat(seen), run)
     failed = check.report(one_process, sampled, reloaded, run, args) if run.is_main else False
-    failed = common.all_ranks_agree(run, failed, any_rank=True)  # every rank exits alike
+    failed = ranks.all_ranks_agree(run, failed, any_rank=True)  # every rank exits alike
     dist.destroy_process_group()
     if failed:
         raise SystemExit(EXIT_MISTAKE if args.bug else 1)

@@ -1,78 +1,61 @@
-"""What every step shares: who a process is, device choice, process-group setup, seeding,
-the batch plan, the learning-rate schedule.
+"""What every step shares, read once: who a process is, its device, the process group, seeding,
+the batch plan, the learning rate, the digits, the CNN, the flags, progress and summary.json,
+checkpoints, the profiler.
 
-Step 00 first needs it. Each numbered step keeps its own idea in its own file; what all of
-them need but none of them teaches lives here or, below it, in the harness/ package: the
-command line (flags.py), errors.py, data.py, model.py, checkpoint.py, metrics.py,
-profiling.py. common.py imports from harness/, never the other way round.
+Copy a step and this file into an empty folder and the step runs there, with torch alone. In
+the repository, a step's first line takes in harness/, which replaces some of these functions
+by checked ones (every flag's range, one-line errors on every rank, the --out-dir lock, safe
+checkpoint reading, FLOPs and MFU): same training, same numbers. This file imports nothing of
+ours; docs/steps.md says what the harness adds.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import math
 import os
 import random
-import re
-import shutil
 import socket
-import subprocess
 import sys
-import sysconfig
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401 -- steps use it
+from torch.utils.data import DataLoader, Dataset
 
-from harness.errors import UserError, record, report, run_main  # noqa: F401 -- steps use them
-from harness.ranks import all_ranks_agree, join_group, log  # noqa: F401 -- steps call log
-from harness.schedule import LRSchedule
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a file): one line and exit 2, no traceback."""
 
 
-# ---------------------------------------------------------------- the torch this runs on
-def require_torch(version: str, why: str) -> None:
-    """Stop with one line (exit 2) when the installed torch is older than `version`.
-
-    A step that needs a newer torch than requirements.txt's oldest calls this first, before the
-    imports that only the newer torch has: it says which version it needs before any work,
-    instead of failing later in a traceback. (Not a UserError: it may run before main().)"""
-    if torch_older_than(version):
-        report(f"{os.path.basename(sys.argv[0])} needs torch >= {version} ({why}); this is "
-               f"torch {torch.__version__}: pip install 'torch>={version}' and its torchvision")
+def run_main(main) -> None:
+    """Run a step's main(): a UserError is one line and exit 2, a Ctrl-C exit 130."""
+    try:
+        main()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT)", file=sys.stderr, flush=True)
+        sys.exit(130)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def torch_older_than(version: str) -> bool:
-    """True when the installed torch is older than `version` ("2.8" or "2.8.1")."""
-    def numbers(text):
-        return tuple(int(n) for n in re.findall(r"\d+", text.split("+")[0])[:3])
-    return numbers(torch.__version__) < numbers(version)
-
-
-SUPPORTED_FROM = "2.8"  # README, "Versions"; requirements.txt's floor
-
-
-def warn_of_unsupported_torch() -> None:
-    """One warning line at start (rank 0) on a torch older than the supported range, and the
-    run goes on: the steps compute the same on 2.7, and what can go wrong, a hang in
-    destroy_process_group, comes at the very end (README, "Versions"). A refusal would stop a
-    learner whose cluster has nothing newer, for a hang that came in 2 of 6 runs."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # (srun: no RANK yet)
-    if torch_older_than(SUPPORTED_FROM) and rank == "0":
-        print(f"warning: torch {torch.__version__} is older than {SUPPORTED_FROM}, the oldest "
-              f"supported: a step can hang at its very end, in destroy_process_group (README, "
-              f"\"Versions\"); pip install 'torch>={SUPPORTED_FROM}' and its torchvision",
-              file=sys.stderr, flush=True)
-
-
-warn_of_unsupported_torch()  # at import: every step imports this file before its work starts
-
-
-def torch_needed_by(script) -> str | None:
-    """The version a step's require_torch(...) line asks for, or None (tour.py reads it)."""
-    found = re.search(r'require_torch\("([\d.]+)"', Path(script).read_text())
-    return found.group(1) if found else None
+def log(run, message: str) -> None:
+    """Print from rank 0 only: N ranks printing the same line is noise."""
+    if run.is_main:
+        print(message, flush=True)
 
 
 # ---------------------------------------------------------------- who and where
@@ -84,23 +67,18 @@ class Run:
     rank: int = 0  # global rank: 0 .. world_size-1 over all nodes
     local_rank: int = 0  # rank on this node: picks the GPU
     world_size: int = 1
-    amp: bool = False  # asked for; kept only where bf16 autocast is supported (see below)
+    amp: bool = False  # asked for; kept only where the GPU computes bf16 natively
     backend: str | None = None  # "nccl" or "gloo"; None without a process group
     hostname: str = socket.gethostname()
 
     def __post_init__(self):
-        self.amp = bool(self.amp and self.has_bf16)
+        # A V100 or T4 "supports" bf16 only by emulating it, slower than float32: not counted.
+        self.amp = bool(self.amp and self.device.type == "cuda"
+                        and torch.cuda.is_bf16_supported(including_emulation=False))
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if self.world_size == 1 and launched > 1:  # e.g. torchrun --nproc-per-node 2 00_...
             raise UserError(f"this step trains in one process; start it with plain python, "
                             f"not with {launched} processes")
-
-    @property
-    def has_bf16(self) -> bool:
-        """A GPU that computes in bf16 natively. A V100 or T4 "supports" bf16 only by emulating
-        it, slower than float32: not counted."""
-        return (self.device.type == "cuda"
-                and torch.cuda.is_bf16_supported(including_emulation=False))
 
     @property
     def is_main(self) -> bool:
@@ -113,99 +91,59 @@ class Run:
 
 
 def choose_device(choice: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
-    """cuda:<local_rank> when GPUs are visible (or asked for), else the CPU; then the settings
-    that device wants. Apple's GPU (mps) is not used: DDP has no backend for it."""
+    """cuda:<local_rank> when GPUs are visible (or asked for), else the CPU. (Apple's GPU, mps,
+    is not used: DDP has no backend for it.)"""
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
-        raise UserError("--device cuda, but no CUDA GPU is visible "
-                        "(check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu)")
-    elif local_world_size > torch.cuda.device_count():
-        raise UserError(f"{local_world_size} processes on this node but only "
-                        f"{torch.cuda.device_count()} GPU(s) visible: start at most "
-                        f"--nproc-per-node {torch.cuda.device_count()} (NCCL needs one GPU per "
-                        f"process)")
+        raise UserError("--device cuda, but no CUDA GPU is visible (see nvidia-smi)")
     else:
         device = torch.device("cuda", local_rank)
-        # TF32: float32 matmuls on tensor cores (10-bit mantissa), several times faster and
-        # harmless for training; cuDNN convolutions use it by default. (Not the newer
-        # torch.backends.cuda.matmul.fp32_precision: once it is set, torch 2.14's
-        # torch.get_float32_matmul_precision() raises, and inductor's autotuning calls it.)
-        torch.set_float32_matmul_precision("high")
-        # cuDNN: time the convolution algorithms once for our fixed shapes, keep the fastest.
-        torch.backends.cudnn.benchmark = True
-    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for float32 matmuls
+        torch.backends.cudnn.benchmark = True  # time the convolution algorithms once
+    if "OMP_NUM_THREADS" not in os.environ:  # (torchrun sets it to 1 for several processes)
         # N processes on one machine would each use all its cores: N-fold oversubscription.
-        # (torchrun sets OMP_NUM_THREADS=1 itself when it starts more than one process.)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     return device
 
 
 def set_deterministic(on: bool) -> None:
-    """--deterministic: the same seed gives the same bits on a GPU too. (On the CPU every kernel
-    these steps use is deterministic already.) Without it, cuDNN runs the convolution algorithm
-    its autotuner found fastest, and some CUDA kernels add with atomics, in whatever order the
-    threads arrive: two runs, or a run and its resume, differ in the last bits."""
-    if not on:
-        return
-    # cuBLAS repeats its results only with a fixed workspace, set before its first call.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.benchmark = False  # the same convolution algorithm every run
-    torch.backends.cudnn.deterministic = True
-    # An op with no deterministic kernel warns, naming itself, rather than stopping the run.
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    """--deterministic: the same bits on a GPU too (the CPU kernels used here are already)."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first call
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-# ---------------------------------------------------------------- the process group
 def setup_distributed(args) -> Run:
     """Join the process group, as step 02's setup() writes out (steps 04 on call this)."""
-    rank = int(os.environ.get("RANK", 0))  # 0 .. world_size-1
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # which process on this machine
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # plain python: a world of one
     os.environ.setdefault("MASTER_PORT", "0")
-    device = choose_device(args.device, local_rank, local_ranks)
+    device = choose_device(args.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     set_deterministic(args.deterministic)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
-    # init_process_group, plus a check-in that names the ranks that never came (see ranks.py)
-    join_group(backend, rank, world_size, args.timeout,
-               device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)
     return Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
 
 
-def describe_buckets(model) -> str:
-    """DDP's gradient buckets, as step 03 writes out (steps 04 on call this)."""
-    info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
-    if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
-        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
-    names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
-    buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
-                  info["rebuilt_per_bucket_param_indices"].split(", "))
-    return "DDP's gradient buckets, in the order they are all-reduced:\n" + "\n".join(
-        f"  bucket {i}: {int(size) / 2**20:.3f} MiB: "
-        f"{', '.join(names[int(p)] for p in indices.split())}"
-        for i, (size, indices) in enumerate(buckets))
-
-
-# ---------------------------------------------------------------- seeding
 def seed_everything(seed: int, epoch: int = 0, rank: int = 0) -> None:
-    """Seed python, numpy and torch (CPU and GPUs) from (seed, epoch, rank).
-
-    Called at the start of every epoch, so an epoch's random draws (shuffle, dropout, the
-    DataLoader's worker seeds) depend on nothing but these three numbers: a run resumed at
-    an epoch draws exactly what the uninterrupted run drew. `rank` gives each rank its own
-    dropout masks.
-    """
+    """Seed python, numpy and torch from (seed, epoch, rank), at every epoch's start: an epoch's
+    draws (shuffle, dropout) then depend on these alone, so a resumed run draws what an
+    uninterrupted one drew. `rank` gives each rank its own dropout masks."""
     key = int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
     random.seed(key)
     np.random.seed(key)
     torch.manual_seed(key)
 
 
-# ---------------------------------------------------------------- the batch plan
+# ---------------------------------------------------------------- batches and learning rate
 @dataclass(frozen=True)
 class BatchPlan:
     global_batch: int  # samples per optimizer step, all ranks together
@@ -216,14 +154,9 @@ class BatchPlan:
 
 
 def plan_batches(args, world_size: int, train_samples: int | None = None) -> BatchPlan:
-    """Split the global batch over ranks, and over micro-batches when a device cannot hold it.
-
-    --batch-size G keeps the GLOBAL batch fixed while ranks are added (strong scaling): each
-    step averages the same G samples, so N ranks compute what one process computes and the
-    learning rate stays. --batch-per-rank B keeps each rank's batch instead (weak scaling): the
-    global batch is B x world size, each epoch has fewer, larger steps, and --lr (meant for
-    one rank's B) may be scaled with the global batch: --lr-scaling, see lr_schedule.
-    """
+    """--batch-size G: the GLOBAL batch, fixed as ranks are added (strong scaling), so N ranks
+    compute what one process computes. --batch-per-rank B: B per rank, a global B x N (weak
+    scaling). A per-rank batch over --max-device-batch runs as equal micro-batches."""
     if args.batch_per_rank is not None:
         global_batch, lr_batch, flag = args.batch_per_rank * world_size, args.batch_per_rank, (
             f"--batch-per-rank {args.batch_per_rank} x {world_size} ranks = ")
@@ -237,81 +170,170 @@ def plan_batches(args, world_size: int, train_samples: int | None = None) -> Bat
         raise UserError(f"{flag}{global_batch} is larger than the {train_samples} "
                         f"training samples: an epoch would not fill one step")
     per_rank = global_batch // world_size
-    max_device_batch = args.max_device_batch
-    steps = math.ceil(per_rank / max_device_batch) if max_device_batch else 1
+    steps = math.ceil(per_rank / args.max_device_batch) if args.max_device_batch else 1
     while per_rank % steps:  # equal micro-batches: every one weighs the same
         steps += 1
     return BatchPlan(global_batch, per_rank, per_rank // steps, steps, lr_batch)
 
 
-# ---------------------------------------------------------------- the learning rate
 def lr_scale(args, plan: BatchPlan) -> float:
-    """What --lr-scaling multiplies --lr by once warmed up: k = global batch / the batch --lr is
-    meant for (the world size, with --batch-per-rank), or its square root. Goyal et al. (2017)
-    scale linearly: k times the batch averages the gradient over k times the samples, and k
-    small steps of SGD move about as far as one step of k times the rate, while the gradient
-    changes little between them. The square root keeps the update's noise the same instead
-    (Krizhevsky, 2014; Hoffer et al., 2017). Both are starting points: bench/ measures them."""
+    """What --lr-scaling multiplies --lr by: k = global batch / the batch --lr is meant for
+    (linear, Goyal et al. 2017), or its square root (docs/running.md)."""
     k = plan.global_batch / plan.lr_batch
     return {"none": 1.0, "linear": k, "sqrt": math.sqrt(k)}[args.lr_scaling]
 
 
+class LRSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """--lr x a linear warm-up to `scale` over `warmup_steps`, x 0.7 per epoch; stepped after
+    every optimizer step (with scale 1: the per-epoch StepLR(gamma=0.7) of pytorch/examples)."""
+
+    def __init__(self, optimizer, scale: float = 1.0, warmup_steps: int = 0,
+                 steps_per_epoch: int = 1):
+        self.steps_per_epoch = steps_per_epoch
+
+        def factor(step: int) -> float:
+            ramp = 1 + (scale - 1) * step / warmup_steps if step < warmup_steps else scale
+            return ramp * 0.7 ** (step // self.steps_per_epoch)
+        super().__init__(optimizer, factor)
+
+    def last_step_lr(self) -> float:
+        """The rate of the last step taken (get_last_lr() is already the next step's)."""
+        return self.base_lrs[0] * self.lr_lambdas[0](max(0, self.last_epoch - 1))
+
+
 def lr_schedule(optimizer, args, plan: BatchPlan, steps_per_epoch: int) -> LRSchedule:
-    """The learning rate of every optimizer step (harness/schedule.py): --lr x lr_scale after
-    a linear warm-up of --warmup-steps from --lr, times 0.7 per epoch. Step it after every
-    optimizer.step(); without scaling it is the per-epoch 0.7 decay of step 00."""
-    return LRSchedule(optimizer, lr_scale(args, plan), args.warmup_steps, steps_per_epoch)
+    return LRSchedule(optimizer, lr_scale(args, plan), args.warmup_steps or 0, steps_per_epoch)
 
 
-# ---------------------------------------------------------------- torch.compile
-def compile_choice(args, run: Run) -> bool:
-    """--compile / --no-compile; by default on GPUs, off on the CPU (measured slower there for
-    this model). Compiling builds native code on this node, so the tools it needs are checked
-    now, not found as a traceback inside the first step: an explicit --compile without them is
-    one error line; the default falls back to eager with one note."""
-    wanted = args.compile if args.compile is not None else run.device.type == "cuda"
-    missing = missing_compile_tools(run.device) if wanted else None
-    if missing and args.compile:
-        raise UserError(f"--compile needs {missing}; install it, or use --no-compile")
-    if missing:
-        log(run, f"note: not compiling: torch.compile needs {missing}; training eagerly")
-        return False
-    return wanted
+# ---------------------------------------------------------------- the digits and the CNN
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # pixel statistics of the MNIST training set
 
 
-def missing_compile_tools(device: torch.device) -> str | None:
-    """What torch.compile lacks on this node to build its kernels, or None. Read in torch 2.15:
-    on a GPU, Triton (triton/runtime/build.py: _find_compiler, _build) compiles each kernel's
-    launcher with $CC, else gcc, else clang, against Python.h from sysconfig's include folder
-    (scheme posix_prefix for Debian's posix_local); on the CPU, inductor
-    (torch/_inductor/cpp_builder.py: get_cpp_compiler, _get_python_include_dirs; config.cpp.cxx)
-    compiles C++ with $CXX, else g++, against sysconfig's include folder."""
-    if device.type == "cuda":
-        compiler = next(filter(None, (os.environ.get("CC"), shutil.which("gcc"),
-                                      shutil.which("clang"))), None)
-        what = "a C compiler (gcc or clang, or one named by $CC)"
-        scheme = sysconfig.get_default_scheme()
-        include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local"
-                                      else scheme)["include"]
-    else:
-        compiler = os.environ.get("CXX", "g++")
-        what = "a C++ compiler (g++, or one named by $CXX)"
-        include = sysconfig.get_path("include")
-    if not compiler or not shutil.which(compiler):
-        return f"{what}, and none was found"
-    if not (Path(include) / "Python.h").exists():
-        return (f"Python's C headers (Python.h, not in {include}: e.g. apt install python3-dev, "
-                f"or your cluster's python module)")
-    return None
+class Digits(Dataset):
+    """28x28 digit images held in memory as uint8, normalised as they are fetched."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices):  # a whole batch in one indexing op: no workers needed
+        images = (self.images[indices].float() / 255 - MNIST_MEAN) / MNIST_STD
+        return list(zip(images.unsqueeze(1), self.labels[indices]))
 
 
-# ---------------------------------------------------------------- small helpers
+def load_datasets(args, run, download: bool) -> tuple[Digits, Digits]:
+    """(train, test): MNIST in --data-dir through torchvision's reader (downloaded there by the
+    processes given download=True while the others wait), cut to --train/--test-samples.
+    (--data synthetic, and MNIST's absence with --data auto, need the repository's harness.)"""
+    from torchvision.datasets import MNIST  # imported here: torchvision takes ~3 s to import
+
+    if args.data == "synthetic":
+        raise UserError("--data synthetic is drawn by the repository's harness/; use MNIST")
+    if download:
+        for train in (True, False):
+            MNIST(args.data_dir, train=train, download=True)
+    if dist.is_initialized():
+        dist.barrier()  # the others read only once the files are complete
+    train, test = (MNIST(args.data_dir, train=train) for train in (True, False))
+    return (Digits(train.data[:args.train_samples], train.targets[:args.train_samples]),
+            Digits(test.data[:args.test_samples], test.targets[:args.test_samples]))
+
+
+def make_loader(dataset, batch_size: int | None, run, args, worker_init_fn=None,
+                **kwargs) -> DataLoader:
+    """No worker processes by default: the data is in memory. Shuffling and the workers'
+    seeds come from the global RNG, which seed_everything seeds each epoch (exact resume)."""
+    return DataLoader(dataset, batch_size=batch_size, num_workers=args.num_workers or 0,
+                      pin_memory=run.device.type == "cuda",
+                      worker_init_fn=worker_init_fn or seed_worker, **kwargs)
+
+
+def seed_worker(worker_id: int) -> None:
+    """In each DataLoader worker: python and numpy from torch's per-worker seed."""
+    random.seed(torch.initial_seed() % 2**32)
+    np.random.seed(torch.initial_seed() % 2**32)
+
+
+class Net(nn.Module):
+    """pytorch/examples' MNIST CNN: two convolutions, dropout, two linear layers (1.2 M
+    parameters). `width` multiplies fc1's hidden units (benchmarks: more to communicate)."""
+
+    def __init__(self, dropout: bool = True, width: int = 1):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 32, 3), nn.Conv2d(32, 64, 3)
+        self.fc1, self.fc2 = nn.Linear(9216, 128 * width), nn.Linear(128 * width, 10)
+        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
+        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = self.dropout2(F.relu(self.fc1(torch.flatten(self.dropout1(x), 1))))
+        return self.fc2(x)  # logits; cross_entropy applies log-softmax
+
+
+def build_model(args, seed: int) -> Net:
+    """Initialised from `seed` alone: the same seed, the same weights, whatever ran before."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Net(dropout=args.dropout, width=getattr(args, "width", 1))
+
+
+# ---------------------------------------------------------------- the flags
+class Parser(argparse.ArgumentParser):
+    def parse_args(self, args=None, namespace=None):
+        args = super().parse_args(args, namespace)
+        if getattr(args, "lr_scaling", None) and args.warmup_steps is None:  # (docs/running.md)
+            args.warmup_steps = 20 if args.lr_scaling != "none" else 0
+        return args
+
+
+def parser(doc: str, script: str, cls=Parser) -> argparse.ArgumentParser:
+    """The flags every training step takes; a step adds its own before parse_args()."""
+    p = cls(prog=Path(script).name, description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--data", choices=["auto", "mnist", "synthetic"], default="auto",
+        help="auto: MNIST if present or downloadable, else built-in synthetic digits")
+    add("--data-dir", type=Path, default=Path("data"))
+    add("--train-samples", type=int, metavar="N", help="only the first N training samples")
+    add("--test-samples", type=int, metavar="N", help="only the first N test samples")
+    add("--num-workers", type=int, metavar="N", help="DataLoader workers per rank (default 0)")
+    add("--epochs", type=int, default=2)
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--batch-size", type=int, default=256,
+                       help="GLOBAL batch: samples per optimizer step, summed over all ranks")
+    batch.add_argument("--batch-per-rank", type=int, metavar="B",
+                       help="instead: B samples per rank per step (a global B x world size)")
+    add("--max-device-batch", type=int, metavar="M",
+        help="most samples one device takes at once; more run as accumulated micro-batches")
+    add("--lr", type=float, default=0.05, help="learning rate (for one rank's B with "
+        "--batch-per-rank)")
+    add("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
+        help="with --batch-per-rank: multiply --lr by the world size, or its square root")
+    add("--warmup-steps", type=int, metavar="N", help="steps of warm-up to the scaled --lr")
+    add("--seed", type=int, default=0)
+    add("--deterministic", action="store_true", help="the same bits on GPUs too")
+    add("--no-dropout", dest="dropout", action="store_false", help="turn dropout off")
+    add("--width", type=int, default=1, help=argparse.SUPPRESS)  # benchmarks: a wider fc1
+    add("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add("--amp", action="store_true", help="bf16 autocast on GPUs that support it")
+    add("--timeout", type=float, default=600, metavar="SECONDS",
+        help="how long a collective waits for a peer before failing")
+    add("--out-dir", type=Path, default=f"runs/{Path(script).stem}")
+    add("--profile", action="store_true", help="trace a few steps per rank into <out-dir>/profile")
+    add("--resume", type=Path, metavar="PATH", help="continue from a checkpoint")
+    add("--quiet", action="store_true", help="one line per epoch, no progress lines")
+    return p
+
+
 def announce(run: Run, args, plan: BatchPlan, script: str, **extra) -> None:
     """The start-up line: what this run is, checkable before waiting for an epoch."""
     if args.amp and not run.amp:  # a CPU, or a GPU that only emulates bf16 (V100, T4)
-        # Not fp16 instead: it needs a GradScaler (loss scaling, skipped steps, its state in
-        # every checkpoint for an exact resume, a sharded one under FSDP2) in every step's loop,
-        # for GPUs that are leaving clusters; bf16 has float32's range and needs none.
         where = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "a CPU"
         log(run, f"note: --amp computes in bf16, which {where} has no native support for "
                  f"(emulated, slower than float32): training in float32, amp=False")
@@ -321,31 +343,133 @@ def announce(run: Run, args, plan: BatchPlan, script: str, **extra) -> None:
     details = "".join(f" {key}={value}" for key, value in extra.items())
     log(run, f"{os.path.basename(script)}: device={run.device} world_size={run.world_size} "
              f"batch={plan.global_batch} (= {run.world_size} rank{'s' * (run.world_size > 1)} x "
-             f"{plan.per_rank}, "
-             f"{plan.accumulation_steps} micro-batch(es) of {plan.micro_batch}) "
+             f"{plan.per_rank}, {plan.accumulation_steps} micro-batch(es) of {plan.micro_batch}) "
              f"threads/rank={torch.get_num_threads()} amp={run.amp} seed={args.seed} "
              f"deterministic={'on' if args.deterministic else 'off'}{details}")
 
 
-def slurm_tasks_on_this_node() -> int:
-    """How many tasks of this srun step run on this node. SLURM compresses the per-node
-    counts, e.g. SLURM_STEP_TASKS_PER_NODE="2(x3),1" means 2, 2, 2, 1."""
-    counts = []
-    for part in os.environ["SLURM_STEP_TASKS_PER_NODE"].split(","):
-        value, _, repeat = part.partition("(x")
-        counts += [int(value)] * int(repeat.rstrip(")") or 1)
-    return counts[int(os.environ.get("SLURM_NODEID", 0))]
+# ---------------------------------------------------------------- progress, results, files
+class Progress:
+    """In the training loop: samples/s of each epoch (all ranks, first step excluded: it pays
+    one-off costs), and with --profile a trace of steps 3-5 per rank for TensorBoard."""
+
+    def __init__(self, run, args, steps_per_epoch: int):
+        self.run, self.args, self.steps_per_epoch = run, args, steps_per_epoch
+        self.samples, self.seconds, self.profiler = 0, 0.0, nullcontext()
+        if args.profile:
+            self.profiler = torch.profiler.profile(
+                schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                    str(args.out_dir / "profile"), worker_name=f"rank{run.rank}"))
+
+    def __enter__(self):
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.profiler.__exit__(*exc)
+
+    def start_epoch(self, epoch: int, steps_done: int = 0) -> None:
+        self.epoch, self.step_index, self.epoch_samples, self.started = epoch, steps_done, 0, None
+
+    def step(self, loss_sum: torch.Tensor, samples: int, samples_so_far: int) -> None:
+        """After every optimizer step, on every rank."""
+        self.step_index += 1
+        if self.started is None:  # the clock starts after the first step
+            self.started = self._now()
+        else:
+            self.epoch_samples += samples
+        if self.args.profile:
+            self.profiler.step()
+
+    def _now(self) -> float:
+        if self.run.device.type == "cuda":
+            torch.cuda.synchronize(self.run.device)  # GPU work is asynchronous
+        return time.perf_counter()
+
+    def end_epoch(self) -> float | None:
+        """This epoch's samples/s, all ranks together (None: too few steps to time)."""
+        if not self.epoch_samples:
+            return None
+        seconds = self._now() - self.started
+        self.samples, self.seconds = self.samples + self.epoch_samples, self.seconds + seconds
+        return self.epoch_samples * self.run.world_size / seconds
+
+    @property
+    def samples_per_sec(self) -> float | None:
+        return self.samples * self.run.world_size / self.seconds if self.seconds else None
 
 
-def slurm_head_address(nodelist: str) -> str:
-    """The address SLURM itself uses for the first node of `nodelist` (its NodeAddr): a node's
-    SLURM name need not be a name the other nodes can resolve."""
-    try:
-        head = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
-                              capture_output=True, text=True).stdout.split()[0]
-        node = subprocess.run(["scontrol", "show", "node", head], check=True,
-                              capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError, IndexError) as err:
-        raise UserError(f"started by srun, but could not find the first node of {nodelist!r} "
-                        f"({err}); export MASTER_ADDR=<first node> before srun") from None
-    return next((f.split("=", 1)[1] for f in node.split() if f.startswith("NodeAddr=")), head)
+@torch.no_grad()
+def test_sums(model, loader, run) -> torch.Tensor:
+    """[loss sum, correct answers, samples] over every batch of `loader`, on the device."""
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=run.device)
+    for images, labels in loader:
+        images, labels = images.to(run.device), labels.to(run.device)
+        with run.autocast():
+            logits = model(images)
+        sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        sums[1] += (logits.argmax(dim=1) == labels).sum()
+        sums[2] += len(labels)
+    return sums
+
+
+def test_results(sums: torch.Tensor) -> dict:
+    """Loss and accuracy from test_sums (added up over ranks, where there are several)."""
+    loss_sum, correct, count = sums.tolist()
+    return {"loss": loss_sum / count, "accuracy": correct / count,
+            "correct": int(correct), "samples": int(count)}
+
+
+class Metrics:
+    """One line per epoch (rank 0) and <out-dir>/summary.json at the end."""
+
+    def __init__(self, run, args):
+        self.run, self.out_dir, self.train_losses, self.lrs = run, args.out_dir, [], []
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def epoch(self, epoch: int, train_loss: float, test: dict, samples_per_sec, lr) -> None:
+        self.train_losses.append(train_loss)
+        self.lrs.append(lr)
+        rate = "n/a" if samples_per_sec is None else f"{samples_per_sec:,.0f}"
+        log(self.run, f"epoch {epoch + 1}: train loss {train_loss:.4f}  test loss "
+                      f"{test['loss']:.4f}  test accuracy {100 * test['accuracy']:.2f}% "
+                      f"({test['correct']}/{test['samples']})  {rate} samples/s")
+
+    def summary(self, script: str, args, plan: BatchPlan, test: dict, progress: Progress,
+                **extra) -> dict:
+        summary = {"script": Path(script).name, "world_size": self.run.world_size,
+                   "device": str(self.run.device), "global_batch_size": plan.global_batch,
+                   "epochs": args.epochs, "seed": args.seed, "lr": args.lr, "lrs": self.lrs,
+                   "train_losses": self.train_losses, "test_loss": test["loss"],
+                   "test_accuracy": test["accuracy"], "samples_per_sec": progress.samples_per_sec,
+                   **extra}
+        if self.run.is_main:
+            save_atomically(self.out_dir / "summary.json",
+                            lambda path: path.write_text(json.dumps(summary, indent=2)))
+        return summary
+
+
+def save_atomically(path: Path, write) -> None:
+    """write(temporary path), then rename it over `path`: a crash mid-write keeps the old file."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(temporary)
+    os.replace(temporary, path)
+
+
+def save_checkpoint(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "epoch": epoch, **extra}
+    save_atomically(path, lambda temporary: torch.save(state, temporary))
+
+
+def restore_checkpoint(path: Path, run, model, optimizer, scheduler) -> dict:
+    """Load a checkpoint into the model, optimizer and scheduler; return it ("epoch": the
+    finished epochs). weights_only: reading a file runs no code from it."""
+    saved = torch.load(path, map_location=run.device, weights_only=True)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    log(run, f"resumed from {path} after epoch {saved['epoch']}")
+    return saved

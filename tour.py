@@ -11,7 +11,7 @@ each step adds, its world size, test accuracy and samples/s, and the diff to rea
 steps that compile by default on GPUs) and with `--deterministic`, so that the steps that
 compute the same thing print the same accuracy on GPUs too, as they do on the CPU. Any step
 that fails stops the tour with its exit code, except a step that refuses this torch as too old
-(its common.require_torch line): the table then says which torch it needs.
+(its versions.require_torch line): the table then says which torch it needs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import common
+from harness import versions
 from harness.flags import SAMPLES_LIMIT  # the steps' own bound on --train-samples
 
 REPO = Path(__file__).resolve().parent
@@ -158,8 +159,8 @@ def main():
         shown = ["torchrun", *cmd[3:]] if distributed else ["python", *cmd[1:]]
         print(f"\n=== {step_id(script)}: {idea}\n$ {' '.join(shown)}", flush=True)
         code = run_step(script, cmd)
-        needed = common.torch_needed_by(REPO / script)  # its require_torch("X.Y", ...) line
-        if code and needed and common.torch_older_than(needed):
+        needed = versions.torch_needed_by(REPO / script)  # its require_torch("X.Y", ...) line
+        if code and needed and versions.torch_older_than(needed):
             rows.append((script, idea, next_read, f"needs torch {needed}"))  # it said so
             continue
         if code:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import common  # noqa: E402
+import common  # noqa: E402, F401
+from harness import versions  # noqa: E402
 import tour  # noqa: E402
 
 
@@ -34,10 +35,10 @@ def main() -> int:
     for script, *_ in tour.STEPS:
         step = tour.step_id(script)
         row = re.search(rf"^{step}\s.*$", table, re.M)
-        needed = common.torch_needed_by(REPO / script)
+        needed = versions.torch_needed_by(REPO / script)
         if row is None:
             problems.append(f"{step}: no row in the tour's table")
-        elif needed and common.torch_older_than(needed):
+        elif needed and versions.torch_older_than(needed):
             refusal = f"{script} needs torch >= {needed} ("
             lines = [line for line in output.splitlines() if refusal in line]
             if f"needs torch {needed}" not in row.group(0) or not lines:

@@ -16,37 +16,18 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+
+from common import MNIST_MEAN, MNIST_STD, Digits, make_loader, seed_worker  # noqa: F401
 
 from .errors import UserError, first_line
 from .ranks import all_ranks_agree
 
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # pixel statistics of the MNIST training set
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
-class Digits(Dataset):
-    """28x28 digit images held in memory as uint8, normalised as they are fetched."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
-        self.images, self.labels = images, labels
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return normalize(self.images[index]).unsqueeze(0), self.labels[index]
-
-    def __getitems__(self, indices):
-        # The DataLoader asks for a whole batch at once: one indexing op instead of one per
-        # sample keeps the loader far ahead of the GPU without worker processes.
-        images = normalize(self.images[indices]).unsqueeze(1)
-        return list(zip(images, self.labels[indices]))
-
-
 def normalize(images: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels -> zero-mean, unit-variance floats (MNIST's statistics)."""
+    """uint8 pixels -> zero-mean, unit-variance floats (MNIST's statistics), as common.Digits."""
     return (images.float() / 255 - MNIST_MEAN) / MNIST_STD
 
 
@@ -182,35 +163,3 @@ def read_mnist(data_dir: Path) -> tuple[Digits, Digits]:
     check_digits(train.data, train.targets, f"MNIST's training files in {raw}")
     check_digits(test.data, test.targets, f"MNIST's test files in {raw}")
     return Digits(train.data, train.targets), Digits(test.data, test.targets)
-
-
-def make_loader(dataset, batch_size: int | None, run, args, worker_init_fn=None, **kwargs):
-    """A DataLoader with the settings that matter for speed and reproducibility.
-
-    - pinned host memory on a GPU, so `.to(device, non_blocking=True)` overlaps the copy;
-    - no generator of its own: shuffling and the workers' seeds are drawn from the global RNG,
-      which every step seeds at the start of each epoch (common.seed_everything). Workers are
-      started anew each epoch (not persistent): a persistent worker's seed is drawn once, in
-      the first epoch of a process, which would shift the RNG of a run resumed later;
-    - worker_init_fn: seed python and numpy in each worker (torch seeds each differently);
-    - by default no worker processes (step 06, which streams from a file, asks for 2): the data
-      is in memory and Digits fetches a batch with one indexing op, ahead of any GPU this CNN
-      trains on, and overlapped with it anyway (CUDA runs the previous step while the host
-      fetches). Measured with bench/memory_loader.py (torch 2.15, 2-core CPU, 60,000 digits,
-      batch 256): 404k samples/s without workers, 110k with 2 re-forked each epoch, 132k with 2
-      persistent ones (each batch crosses process boundaries). Persistent workers would also
-      break the exact resume: torch draws their base seed from the global RNG only when the
-      first epoch's iterator is made (torch/utils/data/dataloader.py, _BaseDataLoaderIter).
-    """
-    workers = 0 if args.num_workers is None else args.num_workers
-    return DataLoader(dataset, batch_size=batch_size, num_workers=workers,
-                      pin_memory=run.device.type == "cuda",
-                      worker_init_fn=worker_init_fn or seed_worker, **kwargs)
-
-
-def seed_worker(worker_id: int) -> None:
-    """Runs in each DataLoader worker as it starts: torch gave every worker its own seed;
-    python's and numpy's RNGs would otherwise repeat the same numbers in every worker."""
-    worker_seed = torch.initial_seed() % 2**32
-    random.seed(worker_seed)
-    np.random.seed(worker_seed)

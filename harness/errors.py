@@ -31,8 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record as elastic_r
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-class UserError(Exception):
-    """A problem with the input that one line can explain (missing data, a bad file, ...)."""
+from common import UserError  # noqa: E402 -- one class: the plain run_main and this one catch it
 
 
 class Interrupted(BaseException):

@@ -14,6 +14,8 @@ import socket
 import stat
 from pathlib import Path
 
+import common
+
 from .errors import launcher_rank, report
 
 SEED_LIMIT = 2**32  # numpy's legacy seeding, the narrowest of the RNGs we seed, takes 0 .. 2**32-1
@@ -32,7 +34,7 @@ EPOCHS_LIMIT, STEPS_LIMIT = 100_000, 1_000_000_000
 WARMUP_STEPS = 20
 
 
-class Parser(argparse.ArgumentParser):
+class Parser(common.Parser):
     """argparse, but an error is one line, not the whole usage, printed by every rank that met
     it (once per machine: see errors.report): an --out-dir or --resume path may be missing on
     one node only."""
@@ -42,8 +44,13 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
     def parse_args(self, args=None, namespace=None):
-        """argparse's, then the checks that involve two flags (the learning-rate scaling)."""
-        args = super().parse_args(args, namespace)
+        """argparse's with every flag's checked type (CHECKED), then the checks that involve
+        two flags (the learning-rate scaling)."""
+        for action in self._actions:
+            checked = [CHECKED[o] for o in action.option_strings if o in CHECKED]
+            if checked and action.type in (int, float, Path):  # (a step's own checked type stays)
+                action.type = checked[0]
+        args = argparse.ArgumentParser.parse_args(self, args, namespace)
         check_launcher_variables(self)
         if getattr(args, "lr_scaling", None) is not None:
             check_lr_scaling(self, args)
@@ -260,66 +267,31 @@ def unreadable(path: Path) -> str | None:
 
 # ---------------------------------------------------------------- the shared flags
 def parser(doc: str, script: str) -> Parser:
-    """The flags every training step takes; a step adds its own before calling parse_args()."""
-    stem = Path(script).stem
-    p = Parser(prog=Path(script).name, description=doc,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
-    data = p.add_argument_group("data")
-    data.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto",
-                      help="auto: MNIST if present or downloadable, else built-in synthetic digits")
-    data.add_argument("--data-dir", type=Path, default=Path("data"))
-    data.add_argument("--train-samples", type=integer(1, SAMPLES_LIMIT, "--train-samples"),
-                      metavar="N", help="use only the first N training samples")
-    data.add_argument("--test-samples", type=integer(1, SAMPLES_LIMIT, "--test-samples"),
-                      metavar="N", help="use only the first N test samples")
-    data.add_argument("--num-workers", type=integer(0, 64, "--num-workers"), metavar="N",
-                      help="DataLoader worker processes per rank (default 0: the data is in "
-                           "memory and one indexing op fetches a batch; see data.make_loader)")
-    train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=integer(1, EPOCHS_LIMIT, "--epochs"), default=2)
-    batch = train.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=integer(1, SAMPLES_LIMIT, "--batch-size"),
-                       default=256, help="GLOBAL batch: samples per optimizer step, summed over "
-                       "all ranks; fixed as ranks are added (strong scaling)")
-    batch.add_argument("--batch-per-rank", type=integer(1, SAMPLES_LIMIT, "--batch-per-rank"),
-                       metavar="B", help="instead: B samples per rank per step, so the global "
-                       "batch grows with the ranks (weak scaling): B x world size")
-    train.add_argument("--max-device-batch", type=integer(1, SAMPLES_LIMIT, "--max-device-batch"),
-                       metavar="M", help="most samples one device takes at once; larger "
-                       "per-rank batches are split into micro-batches whose gradients accumulate")
-    train.add_argument("--lr", type=positive_float("--lr", highest=10), default=0.05,
-                       help="learning rate (with --batch-per-rank: the rate for one rank's "
-                            "batch B)")
-    train.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
-                       help="with --batch-per-rank: multiply --lr by the world size (linear) or "
-                            "its square root (sqrt), reached after a linear warm-up from --lr "
-                            "(default none)")
-    train.add_argument("--warmup-steps", type=integer(0, STEPS_LIMIT, "--warmup-steps"),
-                       metavar="N", help=f"optimizer steps of the warm-up to the scaled --lr "
-                       f"(default {WARMUP_STEPS} with --lr-scaling linear or sqrt)")
-    train.add_argument("--seed", type=integer(0, SEED_LIMIT - 1, "--seed"), default=0)
-    train.add_argument("--deterministic", action="store_true",
-                       help="bit-for-bit repeats on GPUs too: deterministic kernels, no cuDNN "
-                            "autotuning (the CPU is deterministic already)")
-    train.add_argument("--no-dropout", dest="dropout", action="store_false",
-                       help="turn dropout off (tests use it to compare runs weight for weight)")
-    # Benchmarks only (hidden from --help): multiply fc1's hidden units, so that there are
-    # more gradients to communicate for little more compute.
-    train.add_argument("--width", type=integer(1, 64, "--width"), default=1,
-                       help=argparse.SUPPRESS)
-    system = p.add_argument_group("system")
-    system.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    system.add_argument("--amp", action="store_true", help="bf16 autocast on GPUs that support it")
-    system.add_argument("--timeout", default=600,
-                        type=positive_float("--timeout", lowest=1, highest=7 * 24 * 3600),
-                        metavar="SECONDS", help="how long a collective waits for a peer "
-                        "before failing (gloo; NCCL's watchdog then ends the process)")
-    # (A string default: argparse checks it like a typed value.)
-    system.add_argument("--out-dir", type=writable_dir, default=f"runs/{stem}")
-    system.add_argument("--profile", action="store_true",
-                        help="trace a few training steps per rank into <out-dir>/profile")
-    system.add_argument("--resume", type=existing_path, metavar="PATH",
-                        help="continue from a checkpoint")
-    system.add_argument("--quiet", action="store_true",
-                        help="no progress lines inside an epoch, only one line per epoch")
-    return p
+    """common.parser's flags (every training step's), each parsed by its checked type below;
+    a step adds its own before calling parse_args()."""
+    return PLAIN_PARSER(doc, script, cls=Parser)
+
+
+PLAIN_PARSER = common.parser  # (harness/__init__.py puts parser() in its place)
+
+
+# The checked type of each flag a step may leave plain (common.parser's, and 02b's and 03's):
+# Parser.parse_args puts it in place of the plain int, float or Path before parsing.
+CHECKED = {
+    "--train-samples": integer(1, SAMPLES_LIMIT, "--train-samples"),
+    "--test-samples": integer(1, SAMPLES_LIMIT, "--test-samples"),
+    "--num-workers": integer(0, 64, "--num-workers"),
+    "--epochs": integer(1, EPOCHS_LIMIT, "--epochs"),
+    "--batch-size": integer(1, SAMPLES_LIMIT, "--batch-size"),
+    "--batch-per-rank": integer(1, SAMPLES_LIMIT, "--batch-per-rank"),
+    "--max-device-batch": integer(1, SAMPLES_LIMIT, "--max-device-batch"),
+    "--lr": positive_float("--lr", highest=10),
+    "--warmup-steps": integer(0, STEPS_LIMIT, "--warmup-steps"),
+    "--seed": integer(0, SEED_LIMIT - 1, "--seed"),
+    "--width": integer(1, 64, "--width"),
+    "--timeout": positive_float("--timeout", lowest=1, highest=7 * 24 * 3600),
+    "--out-dir": writable_dir,
+    "--resume": existing_path,
+    "--bucket-cap-mb": positive_float("--bucket-cap-mb"),
+    "--max-mb": integer(1, 4096, "--max-mb"),  # 01's
+}

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from common import test_results, test_sums  # noqa: F401 -- steps 04-11 call them here
+
 from .checkpoint import write_atomically, write_failure
 from .errors import UserError
 from .flops import peak_flops, training_flops_per_sample
@@ -162,29 +164,6 @@ class Progress:
         if not self.seconds:
             return None
         return self.samples * self.run.world_size / self.seconds
-
-
-@torch.no_grad()
-def test_sums(model, loader, run) -> torch.Tensor:
-    """[loss sum, correct answers, samples] over every batch of `loader`, on the device."""
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=run.device)
-    for images, labels in loader:
-        images = images.to(run.device, non_blocking=True)
-        labels = labels.to(run.device, non_blocking=True)
-        with run.autocast():
-            logits = model(images)
-        sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        sums[1] += (logits.argmax(dim=1) == labels).sum()
-        sums[2] += len(labels)
-    return sums
-
-
-def test_results(sums: torch.Tensor) -> dict:
-    """Loss and accuracy from test_sums (added up over ranks, where there are several)."""
-    loss_sum, correct, count = sums.tolist()
-    return {"loss": loss_sum / count, "accuracy": correct / count,
-            "correct": int(correct), "samples": int(count)}
 
 
 def flop_rate(flops_per_sec: float) -> str:

@@ -11,7 +11,8 @@ import torch
 
 from harness.model import build_model
 
-from conftest import (TEST_SAMPLES, launch, max_difference, rank_params, read_summary, run_step)
+from conftest import (REPO, TEST_SAMPLES, launch, max_difference, rank_params, read_summary,
+                      run_step, torchrun_cmd)
 
 TRAIN = 480  # divides by the global batch (48) and by 1 to 4 ranks: no sampler padding
 COMMON = ["--data", "mnist", "--train-samples", TRAIN, "--batch-size", 48]
@@ -248,3 +249,43 @@ def test_compiling_the_wrapper_breaks_the_graph_in_ddp_compiling_inside_does_not
     breaks = dict(re.findall(r"^(.*): (\d+) graph breaks$", proc.stdout, re.M))
     assert int(breaks["compile the wrapper"]) > 0, proc.stdout
     assert int(breaks["wrap the compiled model"]) == 0, proc.stdout
+
+
+def copy_out(scripts: list[str], folder) -> None:
+    """A step and common.py, alone in an empty folder, as a learner copies them out."""
+    folder.mkdir()
+    for name in [*scripts, "common.py"]:
+        (folder / name).write_text((REPO / name).read_text())
+
+
+def test_a_copied_step_runs_without_the_harness_and_trains_the_same(runs, mnist_root,
+                                                                    tmp_path):
+    """02, 02b and 03, each copied with common.py into an empty folder, run on 2 ranks without
+    harness/ (their output has no FLOP rate, which only the harness prints) and end with the
+    test loss and accuracy the repository's 03 ends with (02 = 03 bit for bit on 2 ranks)."""
+    folder = tmp_path / "copied"
+    copy_out(["02_manual_ddp.py", "02b_overlap_by_hand.py", "03_ddp_wrapper.py"], folder)
+    expected = runs["03"]["summary"]
+    for script in ["02_manual_ddp.py", "02b_overlap_by_hand.py", "03_ddp_wrapper.py"]:
+        out = tmp_path / script
+        proc = launch(torchrun_cmd(2, script, *COMMON, "--data-dir", mnist_root, "--epochs", 2,
+                                   "--out-dir", out), cwd=folder)
+        assert "FLOP/s" not in proc.stdout and "test accuracy" in proc.stdout, proc.stdout
+        copied = read_summary(out)
+        assert (copied["test_loss"], copied["test_accuracy"]) == (
+            expected["test_loss"], expected["test_accuracy"]), script
+
+
+def test_a_copied_00_trains_as_it_does_in_the_repository(mnist_root, tmp_path):
+    """00 and common.py in an empty folder: the same test loss and accuracy as in the repo."""
+    folder = tmp_path / "copied"
+    copy_out(["00_single_gpu.py"], folder)
+    args = [*COMMON, "--data-dir", mnist_root, "--epochs", 1, "--quiet"]
+    summaries = []
+    for cwd in (REPO, folder):
+        out = tmp_path / cwd.name / "out"
+        launch([sys.executable, "00_single_gpu.py", *map(str, args), "--out-dir", str(out)],
+               cwd=cwd)
+        summaries.append(read_summary(out))
+    assert [(s["test_loss"], s["test_accuracy"]) for s in summaries] == [
+        (summaries[0]["test_loss"], summaries[0]["test_accuracy"])] * 2

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+from harness import launcher
 from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, launch, read_summary,
                       run_step, torchrun_cmd)
 from harness import flops
@@ -305,21 +306,21 @@ def test_compile_without_a_compiler_or_python_h_is_one_line(device, monkeypatch,
     launchers on a GPU, both against Python.h. What is missing is found before training: an
     explicit --compile stops with one line; the GPU default trains eagerly with one note."""
     run = common.Run(torch.device(device))
-    assert common.missing_compile_tools(run.device) is None  # this machine has both
-    assert common.compile_choice(SimpleNamespace(compile=True), run) is True
-    assert common.compile_choice(SimpleNamespace(compile=None), run) is (device == "cuda")
+    assert launcher.missing_compile_tools(run.device) is None  # this machine has both
+    assert launcher.compile_choice(SimpleNamespace(compile=True), run) is True
+    assert launcher.compile_choice(SimpleNamespace(compile=None), run) is (device == "cuda")
     monkeypatch.setenv("CXX", str(tmp_path / "no-g++"))
     monkeypatch.setenv("CC", str(tmp_path / "no-gcc"))
-    assert "compiler" in common.missing_compile_tools(run.device)
+    assert "compiler" in launcher.missing_compile_tools(run.device)
     with pytest.raises(common.UserError, match=r"^--compile needs a C\+* compiler"):
-        common.compile_choice(SimpleNamespace(compile=True), run)
-    assert common.compile_choice(SimpleNamespace(compile=None), run) is False
-    assert common.compile_choice(SimpleNamespace(compile=False), run) is False
+        launcher.compile_choice(SimpleNamespace(compile=True), run)
+    assert launcher.compile_choice(SimpleNamespace(compile=None), run) is False
+    assert launcher.compile_choice(SimpleNamespace(compile=False), run) is False
     monkeypatch.delenv("CXX")
     monkeypatch.delenv("CC")
-    monkeypatch.setattr(common.sysconfig, "get_path", lambda *a, **k: str(tmp_path))
-    monkeypatch.setattr(common.sysconfig, "get_paths", lambda *a, **k: {"include": str(tmp_path)})
-    assert "Python.h" in common.missing_compile_tools(run.device)
+    monkeypatch.setattr(launcher.sysconfig, "get_path", lambda *a, **k: str(tmp_path))
+    monkeypatch.setattr(launcher.sysconfig, "get_paths", lambda *a, **k: {"include": str(tmp_path)})
+    assert "Python.h" in launcher.missing_compile_tools(run.device)
 
 
 def test_04_compiling_without_a_compiler_stops_with_one_line(tmp_path):

@@ -9,14 +9,15 @@ import pytest
 import torch
 
 import common
+from harness import versions
 import tour
 from conftest import REPO
 
 
 def test_a_step_that_needs_a_newer_torch_refuses_in_one_line(capsys):
-    common.require_torch(torch.__version__.split("+")[0], "runs here")  # this torch: silent
+    versions.require_torch(torch.__version__.split("+")[0], "runs here")  # this torch: silent
     with pytest.raises(SystemExit) as stopped:
-        common.require_torch("99.1", "a feature of the future")
+        versions.require_torch("99.1", "a feature of the future")
     assert stopped.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and (
@@ -25,18 +26,20 @@ def test_a_step_that_needs_a_newer_torch_refuses_in_one_line(capsys):
 
 
 def test_version_comparison():
-    assert common.torch_older_than("99.0") and not common.torch_older_than("2.7")
-    assert not common.torch_older_than(torch.__version__)
+    assert versions.torch_older_than("99.0") and not versions.torch_older_than("2.7")
+    assert not versions.torch_older_than(torch.__version__)
 
 
 def test_every_gated_step_checks_before_its_harness_imports():
     """The check must come before anything only a newer torch can import (10's harness)."""
-    gated = {script: common.torch_needed_by(REPO / script) for script, *_ in tour.STEPS}
+    gated = {script: versions.torch_needed_by(REPO / script) for script, *_ in tour.STEPS}
     gated = {script: version for script, version in gated.items() if version}
     assert set(gated) >= {"10_debugging.py"}, gated
     for script in gated:
         source = (REPO / script).read_text()
-        assert source.index("common.require_torch(") < source.index("\nfrom harness"), script
+        first_harness_import = source.replace("\nfrom harness import versions\n", "\n", 1)
+        assert first_harness_import.index("versions.require_torch(") < \
+            first_harness_import.index("\nfrom harness"), script
 
 
 # What 01, 03 and docs/steps.md state of this torch (2.15), checked in a world of one.
@@ -56,7 +59,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.skipif(common.torch_older_than("2.15"), reason="the claims are about torch 2.15")
+@pytest.mark.skipif(versions.torch_older_than("2.15"), reason="the claims are about torch 2.15")
 def test_gloo_takes_a_cpu_device_id_and_averages_and_a_world_of_one_rebuilds_buckets():
     proc = subprocess.run([sys.executable, "-c", CLAIMS], capture_output=True, text=True,
                           timeout=120)
@@ -68,7 +71,7 @@ def test_an_unsupported_torch_is_one_warning_line_at_start_and_the_run_goes_on(t
     """Torch 2.7 (unsupported: a step can hang at its very end) ran 00-07 without a word. Here
     the step runs with torch.__version__ set to 2.7.1 before it imports common; this torch
     itself is silent."""
-    common.warn_of_unsupported_torch()
+    versions.warn_of_unsupported_torch()
     assert capsys.readouterr().err == ""
     as_2_7 = ("import runpy, sys, torch; torch.__version__ = '2.7.1'; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")

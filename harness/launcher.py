@@ -1,0 +1,117 @@
+"""What steps 03-11 call at start-up and no lesson needs written out again: the process group
+with a check-in that names the ranks that never came (replaces common.setup_distributed), DDP's
+bucket report, the choice to compile, and SLURM's node list.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import torch
+
+import common
+from common import UserError, log
+
+from .ranks import join_group
+
+
+def setup_distributed(args) -> common.Run:
+    """Join the process group, as step 02's setup() writes out (steps 04 on call this)."""
+    rank = int(os.environ.get("RANK", 0))  # 0 .. world_size-1
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # which process on this machine
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # plain python: a world of one
+    os.environ.setdefault("MASTER_PORT", "0")
+    device = common.choose_device(args.device, local_rank, local_ranks)
+    common.set_deterministic(args.deterministic)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
+    # init_process_group, plus a check-in that names the ranks that never came (see ranks.py)
+    join_group(backend, rank, world_size, args.timeout,
+               device_id=device if device.type == "cuda" else None)
+    return common.Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
+
+
+def describe_buckets(model) -> str:
+    """DDP's gradient buckets, as step 03 writes out (steps 04 on call this)."""
+    info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
+    if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
+        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
+    names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
+    buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
+                  info["rebuilt_per_bucket_param_indices"].split(", "))
+    return "DDP's gradient buckets, in the order they are all-reduced:\n" + "\n".join(
+        f"  bucket {i}: {int(size) / 2**20:.3f} MiB: "
+        f"{', '.join(names[int(p)] for p in indices.split())}"
+        for i, (size, indices) in enumerate(buckets))
+
+
+def compile_choice(args, run: common.Run) -> bool:
+    """--compile / --no-compile; by default on GPUs, off on the CPU (measured slower there for
+    this model). Compiling builds native code on this node, so the tools it needs are checked
+    now, not found as a traceback inside the first step: an explicit --compile without them is
+    one error line; the default falls back to eager with one note."""
+    wanted = args.compile if args.compile is not None else run.device.type == "cuda"
+    missing = missing_compile_tools(run.device) if wanted else None
+    if missing and args.compile:
+        raise UserError(f"--compile needs {missing}; install it, or use --no-compile")
+    if missing:
+        log(run, f"note: not compiling: torch.compile needs {missing}; training eagerly")
+        return False
+    return wanted
+
+
+def missing_compile_tools(device: torch.device) -> str | None:
+    """What torch.compile lacks on this node to build its kernels, or None. Read in torch 2.15:
+    on a GPU, Triton (triton/runtime/build.py: _find_compiler, _build) compiles each kernel's
+    launcher with $CC, else gcc, else clang, against Python.h from sysconfig's include folder
+    (scheme posix_prefix for Debian's posix_local); on the CPU, inductor
+    (torch/_inductor/cpp_builder.py: get_cpp_compiler, _get_python_include_dirs; config.cpp.cxx)
+    compiles C++ with $CXX, else g++, against sysconfig's include folder."""
+    if device.type == "cuda":
+        compiler = next(filter(None, (os.environ.get("CC"), shutil.which("gcc"),
+                                      shutil.which("clang"))), None)
+        what = "a C compiler (gcc or clang, or one named by $CC)"
+        scheme = sysconfig.get_default_scheme()
+        include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local"
+                                      else scheme)["include"]
+    else:
+        compiler = os.environ.get("CXX", "g++")
+        what = "a C++ compiler (g++, or one named by $CXX)"
+        include = sysconfig.get_path("include")
+    if not compiler or not shutil.which(compiler):
+        return f"{what}, and none was found"
+    if not (Path(include) / "Python.h").exists():
+        return (f"Python's C headers (Python.h, not in {include}: e.g. apt install python3-dev, "
+                f"or your cluster's python module)")
+    return None
+
+
+def slurm_tasks_on_this_node() -> int:
+    """How many tasks of this srun step run on this node. SLURM compresses the per-node
+    counts, e.g. SLURM_STEP_TASKS_PER_NODE="2(x3),1" means 2, 2, 2, 1."""
+    counts = []
+    for part in os.environ["SLURM_STEP_TASKS_PER_NODE"].split(","):
+        value, _, repeat = part.partition("(x")
+        counts += [int(value)] * int(repeat.rstrip(")") or 1)
+    return counts[int(os.environ.get("SLURM_NODEID", 0))]
+
+
+def slurm_head_address(nodelist: str) -> str:
+    """The address SLURM itself uses for the first node of `nodelist` (its NodeAddr): a node's
+    SLURM name need not be a name the other nodes can resolve."""
+    try:
+        head = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                              capture_output=True, text=True).stdout.split()[0]
+        node = subprocess.run(["scontrol", "show", "node", head], check=True,
+                              capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError, IndexError) as err:
+        raise UserError(f"started by srun, but could not find the first node of {nodelist!r} "
+                        f"({err}); export MASTER_ADDR=<first node> before srun") from None
+    return next((f.split("=", 1)[1] for f in node.split() if f.startswith("NodeAddr=")), head)
