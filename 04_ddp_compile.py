@@ -11,11 +11,12 @@ Run it:
 Look for: "compile=on", then "first step N s" (the compile) far above a normal step. Compiled
 dropout draws other masks than eager: losses differ from step 03 unless you pass --no-dropout.
 
-Read also: common.py (setup_distributed: step 02's setup; describe_buckets: step 03's),
-harness/metrics.py (Progress: first_step_seconds).
+Read also: common.py (setup_distributed: step 02's setup; describe_buckets: step 03's).
 """
 
-import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import contextlib
+# The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
+with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
 import argparse
 from contextlib import nullcontext
 
@@ -26,9 +27,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-from harness import launcher
-from harness import checkpoint, data, flags, metrics
-from harness.model import build_model
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
@@ -63,15 +61,15 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
 def evaluate(model, loader, run):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
     correct answers, samples), then the sums are added up over all ranks."""
-    sums = metrics.test_sums(model, loader, run)
+    sums = common.test_sums(model, loader, run)
     dist.all_reduce(sums)
-    return metrics.test_results(sums)
+    return common.test_results(sums)
 
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
-    parser = flags.parser(__doc__, __file__)
-    parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),
+    parser = common.parser(__doc__, __file__)
+    parser.add_argument("--bucket-cap-mb", type=float,
                         metavar="MB", help="DDP's bucket size (default: 1 MiB for the first "
                         "bucket, 25 MiB for the others; a value sets all of them)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
@@ -79,23 +77,23 @@ def main():
                         "where it measured slower for this model: see docs/benchmarks.md)")
     args = parser.parse_args()  # every flag is checked here
     run = common.setup_distributed(args)  # step 02's setup(), now shared
-    train_set, test_set = data.load_datasets(args, run, download=run.is_main)
+    train_set, test_set = common.load_datasets(args, run, download=run.is_main)
     plan = common.plan_batches(args, run.world_size, len(train_set))
-    compiled = launcher.compile_choice(args, run)  # default: on GPUs, if the node can build
+    compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
     # rank on: disjoint shares that together cover the set. When the set does not divide,
     # the sampler pads with repeats so all ranks run the same number of steps.
     train_sampler = DistributedSampler(train_set, num_replicas=run.world_size, rank=run.rank,
                                        shuffle=True, seed=args.seed)
-    train_loader = data.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
+    train_loader = common.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
                                     drop_last=True)  # a smaller last batch would recompile
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = data.make_loader(test_shard, 1000, run, args)
+    test_loader = common.make_loader(test_shard, 1000, run, args)
 
-    raw_model = build_model(args, seed=args.seed + run.rank).to(run.device)
+    raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
     # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
     # (see the top); evaluation and checkpoints keep using the plain raw_model.
@@ -106,11 +104,11 @@ def main():
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     start_epoch = 0
     if args.resume:
-        start_epoch = checkpoint.restore(args.resume, run, raw_model, optimizer,
+        start_epoch = common.restore_checkpoint(args.resume, run, raw_model, optimizer,
                                          scheduler)["epoch"]
 
-    results, test = metrics.Metrics(run, args), None
-    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
+    results, test = common.Metrics(run, args), None
+    with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
             # Shuffling and dropout draw from these numbers alone, so a run resumed at this
             # epoch draws exactly what an uninterrupted run drew.
@@ -127,9 +125,9 @@ def main():
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
-                common.log(run, launcher.describe_buckets(model))  # as in 03
+                common.log(run, common.describe_buckets(model))  # as in 03
             if run.is_main:  # all ranks hold the same weights: one writer is enough
-                checkpoint.save(args.out_dir / "checkpoint.pt", raw_model, optimizer,
+                common.save_checkpoint(args.out_dir / "checkpoint.pt", raw_model, optimizer,
                                 scheduler, epoch + 1)
             dist.barrier()  # no rank may read the checkpoint before it is complete
     if test is None:  # resumed a finished run: evaluate only

@@ -11,11 +11,12 @@ Run it:
 
 Look for: one line per rank naming its node, host, local rank and device.
 
-Read also: common.py (setup_distributed, slurm_head_address, slurm_tasks_on_this_node),
-harness/data.py (load_datasets: a download on each node, renamed into place).
+Read also: common.py (setup_distributed, slurm_head_address, slurm_tasks_on_this_node).
 """
 
-import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import contextlib
+# The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
+with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
 import argparse
 import os
 from contextlib import nullcontext
@@ -27,9 +28,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-from harness import launcher
-from harness import checkpoint, data, flags, metrics
-from harness.model import build_model
 
 
 def use_srun_identity():
@@ -41,8 +39,8 @@ def use_srun_identity():
         return  # started by torchrun, or by plain python
     env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
                WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], GROUP_RANK=env["SLURM_NODEID"],
-               LOCAL_WORLD_SIZE=str(launcher.slurm_tasks_on_this_node()))
-    env.setdefault("MASTER_ADDR", launcher.slurm_head_address(env["SLURM_STEP_NODELIST"]))
+               LOCAL_WORLD_SIZE=str(common.slurm_tasks_on_this_node()))
+    env.setdefault("MASTER_ADDR", common.slurm_head_address(env["SLURM_STEP_NODELIST"]))
     env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
 
 
@@ -78,9 +76,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
 def evaluate(model, loader, run):
     """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
     correct answers, samples), then the sums are added up over all ranks."""
-    sums = metrics.test_sums(model, loader, run)
+    sums = common.test_sums(model, loader, run)
     dist.all_reduce(sums)
-    return metrics.test_results(sums)
+    return common.test_results(sums)
 
 
 def report_topology(run):
@@ -103,8 +101,8 @@ def report_topology(run):
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
-    parser = flags.parser(__doc__, __file__)
-    parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),
+    parser = common.parser(__doc__, __file__)
+    parser.add_argument("--bucket-cap-mb", type=float,
                         metavar="MB", help="DDP's bucket size (default: 1 MiB for the first "
                         "bucket, 25 MiB for the others; a value sets all of them)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
@@ -117,23 +115,23 @@ def main():
     # One download per node (its local rank 0): each node may have its own disk. On a shared
     # filesystem the downloads land in temporary folders and are renamed into place, so two
     # nodes downloading at once cannot leave a half-written file.
-    train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
+    train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args, run.world_size, len(train_set))
-    compiled = launcher.compile_choice(args, run)  # default: on GPUs, if the node can build
+    compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
     # rank on: disjoint shares that together cover the set. When the set does not divide,
     # the sampler pads with repeats so all ranks run the same number of steps.
     train_sampler = DistributedSampler(train_set, num_replicas=run.world_size, rank=run.rank,
                                        shuffle=True, seed=args.seed)
-    train_loader = data.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
+    train_loader = common.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
                                     drop_last=True)  # a smaller last batch would recompile
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = data.make_loader(test_shard, 1000, run, args)
+    test_loader = common.make_loader(test_shard, 1000, run, args)
 
-    raw_model = build_model(args, seed=args.seed + run.rank).to(run.device)
+    raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
     # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
     # (see the top); evaluation and checkpoints keep using the plain raw_model.
@@ -144,11 +142,11 @@ def main():
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     start_epoch = 0
     if args.resume:
-        start_epoch = checkpoint.restore(args.resume, run, raw_model, optimizer,
+        start_epoch = common.restore_checkpoint(args.resume, run, raw_model, optimizer,
                                          scheduler)["epoch"]
 
-    results, test = metrics.Metrics(run, args), None
-    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
+    results, test = common.Metrics(run, args), None
+    with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
             # Shuffling and dropout draw from these numbers alone, so a run resumed at this
             # epoch draws exactly what an uninterrupted run drew.
@@ -165,9 +163,9 @@ def main():
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
-                common.log(run, launcher.describe_buckets(model))  # as in 03
+                common.log(run, common.describe_buckets(model))  # as in 03
             if run.is_main:  # all ranks hold the same weights: one writer is enough
-                checkpoint.save(args.out_dir / "checkpoint.pt", raw_model, optimizer,
+                common.save_checkpoint(args.out_dir / "checkpoint.pt", raw_model, optimizer,
                                 scheduler, epoch + 1)
             dist.barrier()  # no rank may read the checkpoint before it is complete
     if test is None:  # resumed a finished run: evaluate only

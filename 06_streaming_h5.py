@@ -30,7 +30,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import IterableDataset, Subset, get_worker_info
 
 import common
-from harness import launcher
 from harness import checkpoint, data, flags, metrics, step06_digits_h5 as digits_h5
 from harness.model import build_model
 
@@ -44,8 +43,8 @@ def use_srun_identity():
         return  # started by torchrun, or by plain python
     env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
                WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], GROUP_RANK=env["SLURM_NODEID"],
-               LOCAL_WORLD_SIZE=str(launcher.slurm_tasks_on_this_node()))
-    env.setdefault("MASTER_ADDR", launcher.slurm_head_address(env["SLURM_STEP_NODELIST"]))
+               LOCAL_WORLD_SIZE=str(common.slurm_tasks_on_this_node()))
+    env.setdefault("MASTER_ADDR", common.slurm_head_address(env["SLURM_STEP_NODELIST"]))
     env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
 
 
@@ -201,7 +200,7 @@ def main():
     if args.command == "prepare":
         return dist.destroy_process_group()
     plan = common.plan_batches(args, run.world_size, train_count)
-    compiled = launcher.compile_choice(args, run)  # default: on GPUs, if the node can build
+    compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     train_set = StreamingDigits(args.h5, train_count, chunk, plan.per_rank, run.rank,
                                 run.world_size, args.seed)
@@ -244,7 +243,7 @@ def main():
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
-                common.log(run, launcher.describe_buckets(model))  # as in 03
+                common.log(run, common.describe_buckets(model))  # as in 03
             if run.is_main:  # all ranks hold the same weights: one writer is enough
                 checkpoint.save(args.out_dir / "checkpoint.pt", raw_model, optimizer,
                                 scheduler, epoch + 1)

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 
 import common
-from harness import launcher, ranks
+from harness import ranks
 from harness import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
 from harness.model import build_model
 
@@ -41,8 +41,8 @@ def use_srun_identity():
         return  # started by torchrun, or by plain python
     env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
                WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], GROUP_RANK=env["SLURM_NODEID"],
-               LOCAL_WORLD_SIZE=str(launcher.slurm_tasks_on_this_node()))
-    env.setdefault("MASTER_ADDR", launcher.slurm_head_address(env["SLURM_STEP_NODELIST"]))
+               LOCAL_WORLD_SIZE=str(common.slurm_tasks_on_this_node()))
+    env.setdefault("MASTER_ADDR", common.slurm_head_address(env["SLURM_STEP_NODELIST"]))
     env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
 
 
@@ -138,7 +138,7 @@ def main():
     # nodes downloading at once cannot leave a half-written file.
     train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args, run.world_size, len(train_set))
-    compiled = launcher.compile_choice(args, run)  # default: on GPUs, if the node can build
+    compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     # Every rank shuffles with the same seed, then takes every world_size-th index from its
     # rank on: disjoint shares that together cover the set. When the set does not divide,
@@ -228,7 +228,7 @@ def main():
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
-                common.log(run, launcher.describe_buckets(model))  # as in 03
+                common.log(run, common.describe_buckets(model))  # as in 03
             save(epoch + 1)
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(raw_model, test_loader, run)

@@ -31,7 +31,7 @@ from torch.utils.data import Subset
 import common
 from harness import versions
 versions.require_torch("2.9", "FSDP2 on gloo: before 2.9 its gradients were summed, not averaged")
-from harness import launcher, ranks
+from harness import ranks
 from harness import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
 from harness import step08_fsdp2 as sharded
 from harness.model import build_model
@@ -46,8 +46,8 @@ def use_srun_identity():
         return  # started by torchrun, or by plain python
     env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
                WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], GROUP_RANK=env["SLURM_NODEID"],
-               LOCAL_WORLD_SIZE=str(launcher.slurm_tasks_on_this_node()))
-    env.setdefault("MASTER_ADDR", launcher.slurm_head_address(env["SLURM_STEP_NODELIST"]))
+               LOCAL_WORLD_SIZE=str(common.slurm_tasks_on_this_node()))
+    env.setdefault("MASTER_ADDR", common.slurm_head_address(env["SLURM_STEP_NODELIST"]))
     env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
 
 

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import socket
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -131,6 +132,51 @@ def setup_distributed(args) -> Run:
                             timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if device.type == "cuda" else None)
     return Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
+
+
+def describe_buckets(model) -> str:
+    """DDP's gradient buckets, as step 03 writes out (steps 04 on call this). DDP's own report
+    is a private method, looked up: no public API says which parameters share a bucket."""
+    info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
+    if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
+        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
+    names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
+    buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
+                  info["rebuilt_per_bucket_param_indices"].split(", "))
+    return "DDP's gradient buckets, in the order they are all-reduced:\n" + "\n".join(
+        f"  bucket {i}: {int(size) / 2**20:.3f} MiB: "
+        f"{', '.join(names[int(p)] for p in indices.split())}"
+        for i, (size, indices) in enumerate(buckets))
+
+
+def compile_choice(args, run: Run) -> bool:
+    """--compile / --no-compile; by default on GPUs, off on the CPU (measured slower there for
+    this model: docs/benchmarks.md)."""
+    return args.compile if args.compile is not None else run.device.type == "cuda"
+
+
+def slurm_tasks_on_this_node() -> int:
+    """How many tasks of this srun step run on this node. SLURM compresses the per-node
+    counts, e.g. SLURM_STEP_TASKS_PER_NODE="2(x3),1" means 2, 2, 2, 1."""
+    counts = []
+    for part in os.environ["SLURM_STEP_TASKS_PER_NODE"].split(","):
+        value, _, repeat = part.partition("(x")
+        counts += [int(value)] * int(repeat.rstrip(")") or 1)
+    return counts[int(os.environ.get("SLURM_NODEID", 0))]
+
+
+def slurm_head_address(nodelist: str) -> str:
+    """The address SLURM itself uses for the first node of `nodelist` (its NodeAddr): a node's
+    SLURM name need not be a name the other nodes can resolve."""
+    try:
+        head = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                              capture_output=True, text=True).stdout.split()[0]
+        node = subprocess.run(["scontrol", "show", "node", head], check=True,
+                              capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError, IndexError) as err:
+        raise UserError(f"started by srun, but could not find the first node of {nodelist!r} "
+                        f"({err}); export MASTER_ADDR=<first node> before srun") from None
+    return next((f.split("=", 1)[1] for f in node.split() if f.startswith("NodeAddr=")), head)
 
 
 def seed_everything(seed: int, epoch: int = 0, rank: int = 0) -> None:
@@ -356,6 +402,7 @@ class Progress:
     def __init__(self, run, args, steps_per_epoch: int):
         self.run, self.args, self.steps_per_epoch = run, args, steps_per_epoch
         self.samples, self.seconds, self.profiler = 0, 0.0, nullcontext()
+        self.first_step_seconds = None  # the run's first step: one-off costs (compile, cuDNN)
         if args.profile:
             self.profiler = torch.profiler.profile(
                 schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
@@ -370,13 +417,17 @@ class Progress:
         return self.profiler.__exit__(*exc)
 
     def start_epoch(self, epoch: int, steps_done: int = 0) -> None:
-        self.epoch, self.step_index, self.epoch_samples, self.started = epoch, steps_done, 0, None
+        self.epoch, self.step_index, self.epoch_samples = epoch, steps_done, 0
+        self.started, self.timing = self._now(), False
 
     def step(self, loss_sum: torch.Tensor, samples: int, samples_so_far: int) -> None:
         """After every optimizer step, on every rank."""
         self.step_index += 1
-        if self.started is None:  # the clock starts after the first step
-            self.started = self._now()
+        if not self.timing:  # the clock starts after the epoch's first step
+            now = self._now()
+            if self.first_step_seconds is None:
+                self.first_step_seconds = now - self.started
+            self.started, self.timing = now, True
         else:
             self.epoch_samples += samples
         if self.args.profile:

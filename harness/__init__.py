@@ -25,7 +25,7 @@ from . import checkpoint, data, errors, flags, launcher, metrics, schedule, vers
 
 common.parser, common.Parser = flags.parser, flags.Parser
 common.run_main, common.record = errors.run_main, errors.record
-common.setup_distributed = launcher.setup_distributed
+common.setup_distributed, common.compile_choice = launcher.setup_distributed, launcher.compile_choice
 common.load_datasets = data.load_datasets
 common.Progress, common.Metrics = metrics.Progress, metrics.Metrics
 common.save_checkpoint, common.restore_checkpoint = checkpoint.save, checkpoint.restore

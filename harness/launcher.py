@@ -1,13 +1,12 @@
-"""What steps 03-11 call at start-up and no lesson needs written out again: the process group
-with a check-in that names the ranks that never came (replaces common.setup_distributed), DDP's
-bucket report, the choice to compile, and SLURM's node list.
+"""Start-up, checked: the process group with a check-in that names the ranks that never came
+(in place of common.setup_distributed), and the choice to compile with the tools it needs
+checked first (in place of common.compile_choice).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -36,20 +35,6 @@ def setup_distributed(args) -> common.Run:
     join_group(backend, rank, world_size, args.timeout,
                device_id=device if device.type == "cuda" else None)
     return common.Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
-
-
-def describe_buckets(model) -> str:
-    """DDP's gradient buckets, as step 03 writes out (steps 04 on call this)."""
-    info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
-    if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
-        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
-    names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
-    buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
-                  info["rebuilt_per_bucket_param_indices"].split(", "))
-    return "DDP's gradient buckets, in the order they are all-reduced:\n" + "\n".join(
-        f"  bucket {i}: {int(size) / 2**20:.3f} MiB: "
-        f"{', '.join(names[int(p)] for p in indices.split())}"
-        for i, (size, indices) in enumerate(buckets))
 
 
 def compile_choice(args, run: common.Run) -> bool:
@@ -91,27 +76,3 @@ def missing_compile_tools(device: torch.device) -> str | None:
         return (f"Python's C headers (Python.h, not in {include}: e.g. apt install python3-dev, "
                 f"or your cluster's python module)")
     return None
-
-
-def slurm_tasks_on_this_node() -> int:
-    """How many tasks of this srun step run on this node. SLURM compresses the per-node
-    counts, e.g. SLURM_STEP_TASKS_PER_NODE="2(x3),1" means 2, 2, 2, 1."""
-    counts = []
-    for part in os.environ["SLURM_STEP_TASKS_PER_NODE"].split(","):
-        value, _, repeat = part.partition("(x")
-        counts += [int(value)] * int(repeat.rstrip(")") or 1)
-    return counts[int(os.environ.get("SLURM_NODEID", 0))]
-
-
-def slurm_head_address(nodelist: str) -> str:
-    """The address SLURM itself uses for the first node of `nodelist` (its NodeAddr): a node's
-    SLURM name need not be a name the other nodes can resolve."""
-    try:
-        head = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
-                              capture_output=True, text=True).stdout.split()[0]
-        node = subprocess.run(["scontrol", "show", "node", head], check=True,
-                              capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError, IndexError) as err:
-        raise UserError(f"started by srun, but could not find the first node of {nodelist!r} "
-                        f"({err}); export MASTER_ADDR=<first node> before srun") from None
-    return next((f.split("=", 1)[1] for f in node.split() if f.startswith("NodeAddr=")), head)
