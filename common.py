@@ -6,7 +6,7 @@ Copy a step and this file into an empty folder and the step runs there, with tor
 the repository, a step's first line takes in harness/, which replaces some of these functions
 by checked ones (every flag's range, one-line errors on every rank, the --out-dir lock, safe
 checkpoint reading, FLOPs and MFU): same training, same numbers. This file imports nothing of
-ours; docs/steps.md says what the harness adds.
+ours; harness/__init__.py lists what the harness replaces.
 """
 
 from __future__ import annotations
@@ -73,13 +73,18 @@ class Run:
     hostname: str = socket.gethostname()
 
     def __post_init__(self):
-        # A V100 or T4 "supports" bf16 only by emulating it, slower than float32: not counted.
-        self.amp = bool(self.amp and self.device.type == "cuda"
-                        and torch.cuda.is_bf16_supported(including_emulation=False))
+        self.amp = bool(self.amp and self.has_bf16)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if self.world_size == 1 and launched > 1:  # e.g. torchrun --nproc-per-node 2 00_...
             raise UserError(f"this step trains in one process; start it with plain python, "
                             f"not with {launched} processes")
+
+    @property
+    def has_bf16(self) -> bool:
+        """A GPU that computes in bf16 natively. A V100 or T4 "supports" bf16 only by emulating
+        it, slower than float32: not counted."""
+        return (self.device.type == "cuda"
+                and torch.cuda.is_bf16_supported(including_emulation=False))
 
     @property
     def is_main(self) -> bool:
@@ -280,9 +285,11 @@ def load_datasets(args, run, download: bool) -> tuple[Digits, Digits]:
 
     if args.data == "synthetic":
         raise UserError("--data synthetic is drawn by the repository's harness/; use MNIST")
-    if download:
-        for train in (True, False):
-            MNIST(args.data_dir, train=train, download=True)
+    try:
+        for train in (True, False) if download else ():
+            MNIST(args.data_dir, train=train, download=True)  # (nothing, if the files are there)
+    except Exception as err:  # noqa: BLE001 -- offline, a mirror down, a full disk ...
+        raise UserError(f"MNIST is not in {args.data_dir} and its download failed ({err})")
     if dist.is_initialized():
         dist.barrier()  # the others read only once the files are complete
     train, test = (MNIST(args.data_dir, train=train) for train in (True, False))
