@@ -442,6 +442,14 @@ def check_torch_variables() -> None:
                             f"it (torch's default: 2000)")
 
 
+# A collective failed because a peer was stopped by a signal (its line in the store). torchrun
+# and SLURM send a stop signal to every rank at once, and this rank's own may not have come yet
+# when the peer's end broke the collective: the run ends as the peer's does, with the peer's
+# line (said once per machine) and exit code, not with a second line about a lost peer (seen
+# in 1 of 4 clean-clone runs of test_sigterm_to_11_under_torchrun_is_said_by_the_step).
+_STOPPED_PEER = re.compile(r"because rank \d+: (SIG[A-Z0-9]+) received")
+
+
 def exit_code(err: BaseException) -> int | None:
     """Print one line for a failure we can explain and return its exit code; None otherwise."""
     if isinstance(err, SystemExit):  # argparse's (it printed its line), step 07's stop, ...
@@ -461,6 +469,11 @@ def exit_code(err: BaseException) -> int | None:
     explanation = str(err) if isinstance(err, PeerFailure) else None
     if isinstance(err, RuntimeError):
         explanation = explain_collective_failure(err)
+    stopped = _STOPPED_PEER.search(explanation or "")
+    if stopped:  # a peer was stopped by a signal: see _STOPPED_PEER
+        signum = signal.Signals[stopped.group(1)]
+        say_interrupted(stopped_by(signum))
+        return 128 + signum
     if explanation is not None:
         say_peer_failure(explanation)
         return 3
