@@ -209,7 +209,9 @@ def main():
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = data.make_loader(test_shard, 1000, run, args)
+    # In memory: no worker processes (--num-workers is for the stream). Forking them right
+    # after the training loader's workers ended hung a forked child 1 run in 8 (2 CPUs).
+    test_loader = data.make_loader(test_shard, 1000, run, args, num_workers=0)
 
     raw_model = build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().

@@ -301,8 +301,8 @@ def make_loader(dataset, batch_size: int | None, run, args, worker_init_fn=None,
                 **kwargs) -> DataLoader:
     """No worker processes by default: the data is in memory. Shuffling and the workers'
     seeds come from the global RNG, which seed_everything seeds each epoch (exact resume)."""
-    return DataLoader(dataset, batch_size=batch_size, num_workers=args.num_workers or 0,
-                      pin_memory=run.device.type == "cuda",
+    kwargs.setdefault("num_workers", args.num_workers or 0)
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=run.device.type == "cuda",
                       worker_init_fn=worker_init_fn or seed_worker, **kwargs)
 
 
