@@ -111,6 +111,13 @@ def run_step(script: str, args: list, *, nproc: int | None = None, probe_dir: Pa
     return launch(cmd, env=env, check=check, timeout=timeout)
 
 
+def copy_out(scripts: list[str], folder) -> None:
+    """A step and common.py, alone in an empty folder, as a learner copies them out."""
+    folder.mkdir()
+    for name in [*scripts, "common.py"]:
+        (folder / name).write_text((REPO / name).read_text())
+
+
 def saved_checkpoint(folder: Path) -> tuple[Path, tuple]:
     """A plain model, optimizer and scheduler, saved as <folder>/checkpoint.pt after "epoch 1"."""
     from harness import checkpoint

@@ -11,7 +11,7 @@ import torch
 
 from harness.model import build_model
 
-from conftest import (REPO, TEST_SAMPLES, launch, max_difference, rank_params, read_summary,
+from conftest import (REPO, TEST_SAMPLES, copy_out, launch, max_difference, rank_params, read_summary,
                       run_step, torchrun_cmd)
 
 TRAIN = 480  # divides by the global batch (48) and by 1 to 4 ranks: no sampler padding
@@ -249,13 +249,6 @@ def test_compiling_the_wrapper_breaks_the_graph_in_ddp_compiling_inside_does_not
     breaks = dict(re.findall(r"^(.*): (\d+) graph breaks$", proc.stdout, re.M))
     assert int(breaks["compile the wrapper"]) > 0, proc.stdout
     assert int(breaks["wrap the compiled model"]) == 0, proc.stdout
-
-
-def copy_out(scripts: list[str], folder) -> None:
-    """A step and common.py, alone in an empty folder, as a learner copies them out."""
-    folder.mkdir()
-    for name in [*scripts, "common.py"]:
-        (folder / name).write_text((REPO / name).read_text())
 
 
 def test_a_copied_step_runs_without_the_harness_and_trains_the_same(runs, mnist_root,
