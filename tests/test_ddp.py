@@ -11,8 +11,8 @@ import torch
 
 from harness.model import build_model
 
-from conftest import (REPO, TEST_SAMPLES, copy_out, launch, max_difference, rank_params, read_summary,
-                      run_step, torchrun_cmd)
+from conftest import (REPO, TEST_SAMPLES, copy_out, launch, max_difference, rank_params,
+                      read_summary, run_step, torchrun_cmd)
 
 TRAIN = 480  # divides by the global batch (48) and by 1 to 4 ranks: no sampler padding
 COMMON = ["--data", "mnist", "--train-samples", TRAIN, "--batch-size", 48]
