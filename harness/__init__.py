@@ -14,7 +14,9 @@ does. Importing it replaces common.py's plain functions by checked ones, which t
   reading (checkpoint.py); common.LRSchedule: resumable on another world size (schedule.py).
 
 Modules named stepNN_* belong to step NN: 06's file format, 07's restart mechanics, 08's
-restoring into shards, 09's DCP folders, 10's hang diagnosis, 11's one-process replay.
+restoring into shards, 09's DCP folders, 10's hang diagnosis, 11's one-process replay. Their
+`take_in(step)` replaces some of the step's own functions by checked twins before its main()
+runs (twins.py).
 """
 
 from . import startup  # noqa: F401 -- first, before torch: a Ctrl-C while it loads is one line

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
 
+from . import twins
+
 # The signals a launcher sends to end a job: SLURM sends SIGTERM before it preempts a job or at
 # the time limit (and USR1/USR2 with --signal), torchrun forwards SIGTERM, SIGINT, SIGHUP and
 # SIGQUIT by default, any of them with --signals-to-handle. Step 07 turns all but SIGINT into a
@@ -387,6 +389,7 @@ def run_main(main) -> None:
     code, torn_down_cleanly = 0, True
     try:
         check_torch_variables()
+        twins.take_in(main)  # in the repository: the checked twins of the step's own functions
         main()
     except BaseException as err:  # noqa: BLE001 -- sorted below; the rest is re-raised
         signals_end_the_process()  # from here on, a Ctrl-C or SIGTERM ends it within GRACE_S
