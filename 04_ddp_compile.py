@@ -11,13 +11,15 @@ Run it:
 Look for: "compile=on", then "first step N s" (the compile) far above a normal step. Compiled
 dropout draws other masks than eager: losses differ from step 03 unless you pass --no-dropout.
 
-Read also: common.py (setup_distributed: step 02's setup; describe_buckets: step 03's).
+Read also: common.py, what every step shares (the flags, the digits, the CNN, Progress, Metrics).
 """
 
 import contextlib
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
 with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
 import argparse
+import datetime
+import os
 from contextlib import nullcontext
 
 import torch
@@ -27,6 +29,27 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
+
+
+def setup(args):
+    """Join the process group: every rank calls this, and it returns once all have."""
+    # torchrun starts one copy of this script per process and tells each who it is.
+    # Plain `python` sets nothing: a world of one, which meets itself on this machine.
+    rank = int(os.environ.get("RANK", 0))  # 0 .. world_size-1
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # which process on this machine
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the group's store is hosted
+    os.environ.setdefault("MASTER_PORT", "0")  # (0: any free port; plain python only)
+    device = common.choose_device(args.device, local_rank, local_ranks)  # cuda:<local_rank>/CPU
+    common.set_deterministic(args.deterministic)  # GPUs too: the same seed, the same bits
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo on CPUs
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)
+    return common.Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
@@ -66,6 +89,25 @@ def evaluate(model, loader, run):
     return common.test_results(sums)
 
 
+def describe_buckets(model) -> str:
+    """DDP's gradient buckets, each one all-reduce. After its first steps DDP rebuilds them in
+    the order gradients became ready in backward (last layer first); a bucket closes once it
+    holds more than its cap: 1 MiB for the first, so communication starts early, 25 MiB for
+    the rest (--bucket-cap-mb sets both). _get_ddp_logging_data: DDP's own report, which
+    holds the rebuilt buckets only after a few steps (docs/steps.md)."""
+    info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
+    if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
+        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
+    # A compiled module names its parameters _orig_mod.<name>: the names of the model itself.
+    names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
+    buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
+                  info["rebuilt_per_bucket_param_indices"].split(", "))
+    return "DDP's gradient buckets, in the order they are all-reduced:\n" + "\n".join(
+        f"  bucket {i}: {int(size) / 2**20:.3f} MiB: "
+        f"{', '.join(names[int(p)] for p in indices.split())}"
+        for i, (size, indices) in enumerate(buckets))
+
+
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = common.parser(__doc__, __file__)
@@ -76,7 +118,7 @@ def main():
                         help="torch.compile the model (default: on GPUs; off on the CPU, "
                         "where it measured slower for this model: see docs/benchmarks.md)")
     args = parser.parse_args()  # every flag is checked here
-    run = common.setup_distributed(args)  # step 02's setup(), now shared
+    run = setup(args)
     train_set, test_set = common.load_datasets(args, run, download=run.is_main)
     plan = common.plan_batches(args, run.world_size, len(train_set))
     compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
@@ -125,7 +167,7 @@ def main():
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
-                common.log(run, common.describe_buckets(model))  # as in 03
+                common.log(run, describe_buckets(model))
             if run.is_main:  # all ranks hold the same weights: one writer is enough
                 common.save_checkpoint(args.out_dir / "checkpoint.pt", raw_model, optimizer,
                                 scheduler, epoch + 1)

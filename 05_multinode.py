@@ -31,9 +31,8 @@ import common
 
 
 def use_srun_identity():
-    """`srun python 05_multinode.py` (one task per GPU, no torchrun) tells each process who it
-    is in SLURM's variables: the same numbers under other names. The group then meets at the
-    first node of the job step, at a port derived from the job id."""
+    """`srun python 05_multinode.py` (one task per GPU, no torchrun): who is who, from SLURM's
+    variables. The group meets at the step's first node, at a port derived from the job id."""
     env = os.environ
     if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", 1)) < 2:
         return  # started by torchrun, or by plain python
@@ -82,9 +81,8 @@ def evaluate(model, loader, run):
 
 
 def report_topology(run):
-    """Every rank says where it runs, and the variables that steer how the group connects
-    which it inherited (often left over in a shell or a module file, and different per node);
-    rank 0 prints one line per rank. Returns the node count."""
+    """Rank 0 prints where every rank runs, and the inherited variables that steer how the group
+    connects (often left over in a shell, different per node). Returns the node count."""
     node_rank = int(os.environ.get("GROUP_RANK", 0))  # torchrun's name for the node rank
     steering = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items())
                         if name == "NODE_RANK" or name.startswith("NCCL_")
@@ -99,6 +97,25 @@ def report_topology(run):
     return len({node for node, *_ in everyone})
 
 
+def describe_buckets(model) -> str:
+    """DDP's gradient buckets, each one all-reduce. After its first steps DDP rebuilds them in
+    the order gradients became ready in backward (last layer first); a bucket closes once it
+    holds more than its cap: 1 MiB for the first, so communication starts early, 25 MiB for
+    the rest (--bucket-cap-mb sets both). _get_ddp_logging_data: DDP's own report, which
+    holds the rebuilt buckets only after a few steps (docs/steps.md)."""
+    info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
+    if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
+        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
+    # A compiled module names its parameters _orig_mod.<name>: the names of the model itself.
+    names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
+    buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
+                  info["rebuilt_per_bucket_param_indices"].split(", "))
+    return "DDP's gradient buckets, in the order they are all-reduced:\n" + "\n".join(
+        f"  bucket {i}: {int(size) / 2**20:.3f} MiB: "
+        f"{', '.join(names[int(p)] for p in indices.split())}"
+        for i, (size, indices) in enumerate(buckets))
+
+
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
     parser = common.parser(__doc__, __file__)
@@ -110,11 +127,9 @@ def main():
                         "where it measured slower for this model: see docs/benchmarks.md)")
     args = parser.parse_args()  # every flag is checked here
     use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
-    run = common.setup_distributed(args)  # step 02's setup(), now shared
+    run = common.setup_distributed(args)  # step 02's setup(), in common.py from here on
     nodes = report_topology(run)
-    # One download per node (its local rank 0): each node may have its own disk. On a shared
-    # filesystem the downloads land in temporary folders and are renamed into place, so two
-    # nodes downloading at once cannot leave a half-written file.
+    # One download per node (its local rank 0): each node may have its own disk.
     train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args, run.world_size, len(train_set))
     compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
@@ -163,7 +178,7 @@ def main():
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
-                common.log(run, common.describe_buckets(model))  # as in 03
+                common.log(run, describe_buckets(model))
             if run.is_main:  # all ranks hold the same weights: one writer is enough
                 common.save_checkpoint(args.out_dir / "checkpoint.pt", raw_model, optimizer,
                                 scheduler, epoch + 1)

@@ -17,8 +17,12 @@ HERE = Path(__file__).resolve().parent
 
 
 def take_in(main) -> None:
-    """Let harness/stepNN_*.py replace functions of step NN, whose main() this is."""
+    """Let harness/stepNN_*.py replace functions of step NN, whose main() this is; a step's
+    setup() (02-04) becomes common.setup_distributed's checked twin (launcher.py)."""
     step = inspect.unwrap(main).__globals__  # the step's module namespace (@record wraps main)
+    if callable(step.get("setup")):  # 02-04 write out joining the group: join with a check-in
+        from .launcher import setup_distributed  # (names the ranks that never came)
+        step["setup"] = setup_distributed
     number = Path(step.get("__file__") or "").name.split("_", 1)[0]
     for module in sorted(HERE.glob(f"step{number}_*.py")) if number else ():
         take = getattr(importlib.import_module(f"harness.{module.stem}"), "take_in", None)
