@@ -1,0 +1,130 @@
+"""train_template.py, copied alone into an empty folder as a user starts a project: it trains on
+2 CPU ranks, ends with the uninterrupted run's weights bit for bit after a kill -9 or a SIGTERM
+(and a requeue), and its --check passes on 2 and 3 ranks and names a planted DDP mistake."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, base_env, launch, torchrun_cmd
+
+TEMPLATE = "train_template.py"
+# 64 steps an epoch: long enough for a signal to land mid-run, a few seconds on 2 CPU ranks
+SMALL = ["--epochs", "2", "--batch-size", "64", "--checkpoint-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The template alone, and two copies with a planted mistake."""
+    folder = tmp_path_factory.mktemp("template")
+    text = (REPO / TEMPLATE).read_text()
+    (folder / TEMPLATE).write_text(text)
+    plain_bn = text.replace("nn.LayerNorm(128)", "nn.BatchNorm1d(128)")  # not synchronised
+    no_sampler = text.replace("sampler=sampler, drop_last=True", "drop_last=True")
+    assert plain_bn != text and no_sampler != text  # (the template still reads as planted)
+    (folder / "plain_bn.py").write_text(plain_bn)
+    (folder / "no_sampler.py").write_text(no_sampler)
+    return folder
+
+
+def weights(out_dir) -> dict:
+    saved = torch.load(out_dir / "checkpoint.pt", weights_only=True)
+    assert saved["epoch"] == 2 and saved["step"] == 0, (saved["epoch"], saved["step"])
+    return saved["model"]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a), "not bit for bit"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(folder):
+    out = folder / "uninterrupted"
+    proc = launch(torchrun_cmd(2, TEMPLATE, *SMALL, "--out-dir", out), cwd=folder)
+    assert proc.stdout.count("test accuracy") == 2, proc.stdout
+    return weights(out)
+
+
+def start_and_signal(folder, out, signum, *, torchrun_extra=(), worker=False, env=None):
+    """Start the template; once its first checkpoint is written, send `signum` to torchrun (or,
+    worker=True, to one of its worker processes). Returns the finished process."""
+    cmd = torchrun_cmd(2, TEMPLATE, *SMALL, "--out-dir", out, extra=torchrun_extra)
+    proc = subprocess.Popen(cmd, cwd=folder, env=env or base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoint.pt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    target = proc.pid
+    if worker:  # a worker: a child of torchrun running the template
+        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+        target = int(children[-1])
+    os.kill(target, signum)
+    output, _ = proc.communicate(timeout=300)
+    return proc.returncode, output
+
+
+def test_kill_9_of_a_rank_resumes_to_the_same_weights(folder, uninterrupted):
+    """torchrun --max-restarts 1 restarts the group after a kill -9 of one rank; the template
+    resumes from its step checkpoint (sampler position and every rank's RNG state)."""
+    out = folder / "killed"
+    code, output = start_and_signal(folder, out, signal.SIGKILL, worker=True,
+                                    torchrun_extra=("--max-restarts", "1"),
+                                    env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+    assert code == 0, output
+    assert "resumed at step" in output, output
+    assert_same_weights(weights(out), uninterrupted)
+
+
+def test_sigterm_checkpoints_exits_75_and_a_requeue_ends_as_uninterrupted(folder, uninterrupted):
+    """SIGTERM (a preemption) to torchrun: the ranks agree on a step, checkpoint there and exit
+    75; the job started again as SLURM requeues it (SLURM_RESTART_COUNT=1) resumes there."""
+    out = folder / "preempted"
+    code, output = start_and_signal(folder, out, signal.SIGTERM)
+    assert "stopping at step" in output, output
+    assert code != 0, output  # torchrun reports its workers' 75 as a failure
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["epoch"] < 2, "the run finished before the signal: nothing was proven"
+    proc = launch(torchrun_cmd(2, TEMPLATE, *SMALL, "--out-dir", out), cwd=folder,
+                  env=base_env(SLURM_RESTART_COUNT=1))
+    assert "resumed at step" in proc.stdout, proc.stdout
+    assert_same_weights(weights(out), uninterrupted)
+
+
+@pytest.mark.parametrize("nproc, flags", [(2, []), (3, ["--batch-size", "96",
+                                                        "--accumulation", "2"])])
+def test_check_passes_for_the_template(folder, nproc, flags):
+    proc = launch(torchrun_cmd(nproc, TEMPLATE, "--check", *flags), cwd=folder)
+    assert "check step 1: gradients differ by" in proc.stdout, proc.stdout
+    assert f"diagnosis: DDP on {nproc} ranks computes what one process computes" in proc.stdout
+
+
+@pytest.mark.parametrize("script, diagnosis", [
+    ("plain_bn.py", "BatchNorm"),
+    ("no_sampler.py", "the ranks trained the same samples: use a DistributedSampler")])
+def test_check_names_a_planted_mistake(folder, script, diagnosis):
+    proc = launch(torchrun_cmd(2, script, "--check"), cwd=folder, check=False)
+    assert proc.returncode != 0, proc.stdout
+    last = [line for line in proc.stdout.splitlines() if line.startswith("diagnosis:")]
+    assert len(last) == 1 and diagnosis in last[0], proc.stdout
+
+
+def test_max_restarts_without_a_fresh_store_is_one_line(folder):
+    """A restarted group meeting at the dead group's store cannot connect: refused at once."""
+    proc = launch(torchrun_cmd(2, TEMPLATE, extra=("--max-restarts", "1")), cwd=folder,
+                  check=False)
+    assert proc.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in proc.stderr
+
+
+def test_bad_flags_are_one_line_before_any_work(folder):
+    proc = launch(torchrun_cmd(2, TEMPLATE, "--batch-size", "63"), cwd=folder, check=False)
+    assert proc.returncode != 0
+    assert "error: --batch-size 63 does not divide into 2 rank(s)" in proc.stderr, proc.stderr
+    assert f'{TEMPLATE}", line' not in proc.stderr, proc.stderr  # no traceback through it
