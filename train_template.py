@@ -219,10 +219,10 @@ def check(model, raw_model, optimizer, scheduler, loader, device, rank, world, a
                 continue
             (got, where), (floor, _) = differ(ddp[kind], ref[kind]), differ(ctl[kind], ref[kind])
             ok = got <= 10 * floor + 1e-6  # (the control may round exactly as the reference)
-            log(f"check step {step}: {kind} differ by {got:.3g} (rounding {floor:.3g})"
+            log(f"check step {step}, {kind}: off by {got:.3g} (rounding {floor:.3g})"
                       f"{': ok' if ok else f' at {where}: DIFFERENT'}")
             if not ok and verdict is None:
-                verdict = f"{kind} differ from one process at step {step} ({where}): {HINTS[kind]}"
+                verdict = f"{kind} not as in one process at step {step} ({where}): {HINTS[kind]}"
     failed = torch.tensor(float(verdict is not None), device=device)
     dist.broadcast(failed, src=0)  # every rank exits alike
     log("diagnosis: " + (verdict or f"DDP on {world} ranks computes what one process "
