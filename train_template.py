@@ -1,10 +1,11 @@
 """Your model under DDP: the template to copy. One file, torch only; it runs alone.
 
 Change the parts marked YOURS (datasets, model, a batch's loss and evaluation sums, optimizer and
-schedule); the rest is steps 02-07's loop: a sampler, seeding, exact evaluation, accumulation with
-no_sync, clipping, bf16 or fp16, checkpoints with exact resume after a kill or SIGTERM, compile.
+schedule, your flags); the rest is steps 02-07's loop: a sampler, seeding, exact evaluation,
+accumulation with no_sync, clipping, bf16 or fp16, checkpoints with exact resume after a kill or
+SIGTERM, torch.compile.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
         --max-restarts 3 train_template.py   # continues after a kill, from its checkpoint
     torchrun --standalone --nproc-per-node 2 train_template.py --check
 
@@ -29,15 +30,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
-NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # float32 (and bf16) need none
+NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # float32 and bf16 need none
 
 
 def build_datasets(args):  # YOURS: (train, test), map-style datasets of (input, target)
-    g = torch.Generator().manual_seed(1234)  # the same data on every rank, every run
-    inputs, teacher = torch.randn(5120, 32, generator=g), torch.randn(32, 8, generator=g)
-    targets = (inputs @ teacher + 0.5 * torch.randn(5120, 8, generator=g)).argmax(1)
-    return (TensorDataset(inputs[:4096], targets[:4096]),
-            TensorDataset(inputs[4096:], targets[4096:]))
+    g = torch.Generator().manual_seed(1234)  # the same synthetic data on every rank and run
+    x, teacher = torch.randn(5120, 32, generator=g), torch.randn(32, 8, generator=g)
+    y = (x @ teacher + 0.5 * torch.randn(5120, 8, generator=g)).argmax(1)
+    return TensorDataset(x[:4096], y[:4096]), TensorDataset(x[4096:], y[4096:])
 
 
 def build_model(args):  # YOURS (BatchNorm on GPUs: nn.SyncBatchNorm.convert_sync_batchnorm)
@@ -66,55 +66,58 @@ def build_optimizer(model, args, total_steps):  # YOURS: the optimizer and its s
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def add_flags(parser):  # YOURS: your own flags, of plain types (a restart checks them all)
+    pass
+
+
 def parse_flags():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add = p.add_argument
-    add("--epochs", type=int, default=3)
-    add("--batch-size", type=int, default=128, help="the GLOBAL batch, all ranks together")
-    add("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
-    add("--lr", type=float, default=3e-3)
-    add("--max-norm", type=float, default=1.0, help="clip gradients to this norm (0: off)")
-    add("--seed", type=int, default=0)
-    add("--out-dir", default="runs/template")
-    add("--checkpoint-every", type=int, default=20, metavar="STEPS")
-    add("--compile", action="store_true", help="DDP(torch.compile(model))")
-    add("--amp", action="store_true", help="bf16 autocast, or fp16 on GPUs without bf16")
-    add("--check", action="store_true", help="compare with one process, then exit")
-    add("--check-steps", type=int, default=3)
+    add_flags(p)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=128, help="GLOBAL: all ranks together")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-norm", type=float, default=1.0, help="clip gradients (0: off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="runs/template")
+    p.add_argument("--checkpoint-every", type=int, default=20, metavar="STEPS")
+    p.add_argument("--compile", action="store_true", help="DDP(torch.compile(model))")
+    p.add_argument("--amp", action="store_true", help="bf16, or fp16 on GPUs without bf16")
+    p.add_argument("--check", action="store_true", help="compare with one process, then exit")
+    p.add_argument("--check-steps", type=int, default=3)
     args, world = p.parse_args(), int(os.environ.get("WORLD_SIZE", 1))
-    counts = [args.epochs, args.batch_size, args.accumulation, args.checkpoint_every,
-              args.check_steps]
-    if min(counts) < 1 or not (0 < args.lr < 1e9 and 0 <= args.max_norm < 1e9):  # (not NaN)
-        p.error("counts and --lr must be positive, --max-norm at least 0")
-    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))  # pytorch/pytorch#135712:
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):  # the dead group's
-        p.error("torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set where "
-                "torchrun starts, or a restarted group reads the dead one's addresses")  # store
+    if min(args.epochs, args.batch_size, args.accumulation, args.checkpoint_every,
+           args.check_steps) < 1 or not (0 < args.lr < 1e9 and 0 <= args.max_norm < 1e9):
+        p.error("counts and --lr must be positive, --max-norm at least 0 (and finite)")
     if args.batch_size % (world * args.accumulation):
         p.error(f"--batch-size {args.batch_size} does not divide into {world} rank(s) x "
                 f"{args.accumulation} micro-batch(es)")
+    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))  # pytorch/pytorch#135712
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        p.error("torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where it "
+                "starts, or a restarted group reads the dead group's addresses in its store")
     return args
 
 
-def setup(args):
+def setup():
     """Join the process group (step 02): torchrun tells each process who it is."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # plain python: a world of one
     os.environ.setdefault("MASTER_PORT", "0")
-    cuda = torch.cuda.is_available()  # (CUDA_VISIBLE_DEVICES= hides the GPUs: the CPU then)
+    cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    return device, rank, world
+    dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ.get("RANK", 0)),
+                            world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    return device, dist.get_rank(), dist.get_world_size()
 
 
 def autocast(device, args):
     """--amp: bf16 where the GPU computes it natively, else fp16 with a GradScaler (fp16's
     small range would flush small gradients to zero)."""
     fp16 = args.amp and device.type == "cuda" and not torch.cuda.is_bf16_supported(False)
-    dtype = torch.float16 if fp16 else torch.bfloat16
-    return (torch.autocast(device.type, dtype, enabled=args.amp and device.type == "cuda"),
+    return (torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16,
+                           enabled=args.amp and device.type == "cuda"),
             torch.amp.GradScaler("cuda", enabled=fp16))
 
 
@@ -170,35 +173,32 @@ def log(message):
         print(message, flush=True)
 
 
+def replay(model, optimizer, scheduler, gathered, args, ranks):
+    """The step one process takes on the global batch (the i-th micro-batch of every rank, in
+    the order `ranks`, in one forward: what SyncBatchNorm normalises over); what it left."""
+    whole = [torch.stack([gathered[r][i].unflatten(0, (args.accumulation, -1)) for r in ranks],
+                         dim=1).flatten(0, 2) for i in range(len(gathered[0]))]  # micro-major
+    return snapshot(model, train_step(model, whole, optimizer, scheduler, NO_SCALER,
+                                      nullcontext(), args.max_norm, args.accumulation))
+
+
 def snapshot(model, loss):
-    """What --check compares: the loss, gradients (after clipping), buffers, weights."""
     return {"loss": {"loss": loss.detach().cpu()},
-            "gradients": {n: p.grad.clone() for n, p in model.named_parameters()
-                          if p.grad is not None},
-            "buffers": {n: b.clone() for n, b in model.named_buffers()},
+            "gradients": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is
+                          not None}, "buffers": dict(copy.deepcopy(list(model.named_buffers()))),
             "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def one_process(model, optimizer, scheduler, gathered, amp, args, ranks):
-    """The step one process takes on the global batch: the i-th micro-batch of every rank, in
-    the order `ranks`, joined into one forward (what SyncBatchNorm normalises over)."""
-    whole = [torch.stack([gathered[r][i].unflatten(0, (args.accumulation, -1)) for r in ranks],
-                         dim=1).flatten(0, 2) for i in range(len(gathered[0]))]  # micro-major
-    return snapshot(model, train_step(model, whole, optimizer, scheduler, NO_SCALER, amp,
-                                      args.max_norm, args.accumulation))
-
-
-def check(model, raw_model, optimizer, scheduler, loader, device, rank, world, args, steps):
+def check(model, raw_model, optimizer, scheduler, loader, device, args, steps):
     """--check: rank 0 replays each global batch as one process (the reference), and again with
     the ranks' samples in reverse order (the control: as right, rounded otherwise). DDP passes
     where it differs from the reference at most 10x as much as the control does."""
     for module in raw_model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0  # the ranks would draw other masks than one process
+    rank, world, verdict = dist.get_rank(), dist.get_world_size(), None
     twins = [copy.deepcopy(raw_model) for _ in range(2)]  # reference, control: DDP's weights
     optimizers = [build_optimizer(twin, args, steps) for twin in twins]
-    verdict, differ = None, lambda a, b: max(((a[k].double() - b[k].double()).abs().max().item(),
-                                               k) for k in a)  # (the largest, where)
     for step, batch in zip(range(1, args.check_steps + 1), loader):
         batch = [t.to(device) for t in batch]
         loss = train_step(model, batch, optimizer, scheduler, NO_SCALER, nullcontext(),
@@ -207,39 +207,43 @@ def check(model, raw_model, optimizer, scheduler, loader, device, rank, world, a
         gathered = [None] * world
         dist.all_gather_object(gathered, [t.cpu() for t in batch])
         if rank != 0:
-            continue
+            continue  # (every rank runs every step: the collectives pair up)
         if world > 1 and all(torch.equal(g[0], gathered[0][0]) for g in gathered[1:]):
             verdict = verdict or "the ranks trained the same samples: use a DistributedSampler"
         gathered = [[t.to(device) for t in g] for g in gathered]
-        ref, ctl = (one_process(twin, *opt, gathered, nullcontext(), args, order) for twin, opt,
-                    order in zip(twins, optimizers, (range(world), range(world - 1, -1, -1))))
-        ddp = snapshot(raw_model, loss / world)
-        for kind in ("loss", "gradients", "buffers", "weights"):
-            if not ref[kind] or (step > 1 and kind in ("loss", "gradients")):
-                continue
-            (got, where), (floor, _) = differ(ddp[kind], ref[kind]), differ(ctl[kind], ref[kind])
-            ok = got <= 10 * floor + 1e-6  # (the control may round exactly as the reference)
-            log(f"check step {step}, {kind}: off by {got:.3g} (rounding {floor:.3g})"
-                      f"{': ok' if ok else f' at {where}: DIFFERENT'}")
-            if not ok and verdict is None:
-                verdict = f"{kind} not as in one process at step {step} ({where}): {HINTS[kind]}"
+        ddp, ref, ctl = snapshot(raw_model, loss / world), *(
+            replay(twin, *opt, gathered, args, order) for twin, opt, order in
+            zip(twins, optimizers, (range(world), range(world - 1, -1, -1))))
+        for kind in ("loss", "gradients", "buffers", "weights")[2 * (step > 1):]:
+            if ref[kind]:
+                verdict = verdict or compare(kind, step, ddp[kind], ref[kind], ctl[kind])
     failed = torch.tensor(float(verdict is not None), device=device)
     dist.broadcast(failed, src=0)  # every rank exits alike
     log("diagnosis: " + (verdict or f"DDP on {world} ranks computes what one process "
-                                          f"computes, within rounding, for {step} steps"))
+                                    f"computes, within rounding, for {step} steps"))
     return int(failed.item())
 
 
-HINTS = {"loss": "BatchNorm per rank?", "buffers": "BatchNorm per rank: use SyncBatchNorm",
-         "gradients": "not averaged as one process would (clipping inside no_sync? a loss not "
-                      "the batch mean?)", "weights": "an optimizer or schedule per rank?"}
+def compare(kind, step, ddp, reference, control):
+    """One line: how far DDP is from the reference, beside the control's rounding."""
+    (got, where), (floor, _) = (max(((a[k].double() - reference[k].double()).abs().max().item(),
+                                     k) for k in a) for a in (ddp, control))
+    ok = got <= 10 * floor + 1e-6  # (+1e-6: the control may round exactly as the reference)
+    log(f"check step {step}, {kind}: off by {got:.3g} (rounding {floor:.3g})"
+        f"{': ok' if ok else f' at {where}: DIFFERENT'}")
+    return None if ok else f"{kind} not as in one process at step {step} ({where}): {HINT[kind]}"
+
+
+HINT = {"loss": "BatchNorm per rank?", "buffers": "BatchNorm per rank: use SyncBatchNorm",
+        "gradients": "not averaged as one process would (clipping inside no_sync? a loss not "
+                     "the batch mean?)", "weights": "an optimizer or schedule per rank?"}
 
 
 def main():
     args = parse_flags()
-    stop = []  # a stop signal (SIGTERM: preemption, a time limit) is only noted here; the
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))  # ranks agree below
-    device, rank, world = setup(args)
+    stop = []  # a stop signal (SIGTERM: preemption, a time limit) is noted; the ranks agree
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))  # on a step
+    device, rank, world = setup()
     amp, scaler = autocast(device, args)
     train_set, test_set = build_datasets(args)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP checks them)
@@ -252,18 +256,23 @@ def main():
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world)), 256)
     steps = len(loader)  # per epoch
     optimizer, scheduler = build_optimizer(model, args, args.epochs * steps)
-    if args.check:  # (every rank runs every step: the collectives pair up)
-        return check(model, raw_model, optimizer, scheduler, loader, device, rank, world,
-                     args, args.epochs * steps)
+    if args.check:
+        return check(model, raw_model, optimizer, scheduler, loader, device, args,
+                     args.epochs * steps)
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "checkpoint.pt")
     kept = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+    settings = {k: v for k, v in vars(args).items() if k not in ("check", "check_steps",
+                                                                  "out_dir")}  # (movable)
     # torchrun --max-restarts (after a kill) or a SLURM requeue started this again: resume
-    restarts = sum(int(os.environ.get(n, 0)) for n in ("TORCHELASTIC_RESTART_COUNT",
-                                                       "SLURM_RESTART_COUNT"))
+    restarted = any(int(os.environ.get(n, 0)) for n in ("TORCHELASTIC_RESTART_COUNT",
+                                                        "SLURM_RESTART_COUNT"))
+    saved = torch.load(path, map_location="cpu", weights_only=True) if restarted and \
+        os.path.exists(path) else {}  # (weights_only: loading runs no code from the file)
     start, done, rng = 0, 0, None
-    if restarts and os.path.exists(path):
-        saved = torch.load(path, map_location="cpu", weights_only=True)  # runs no code
+    if saved and saved.get("settings") != settings:  # another run's, in this --out-dir
+        log(f"not resuming from {path}: another run's (flags {saved.get('settings')})")
+    elif saved:
         for name, part in kept.items():
             part.load_state_dict(saved[name])
         start, done = saved["epoch"], saved["step"]
@@ -277,7 +286,8 @@ def main():
             {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})})
         if rank == 0:  # every rank holds the same weights: one writer is enough
             torch.save({**{name: part.state_dict() for name, part in kept.items()},
-                        "epoch": epoch, "step": step, "rng": states}, f"{path}.tmp")
+                        "epoch": epoch, "step": step, "rng": states, "settings": settings},
+                       f"{path}.tmp")
             os.replace(f"{path}.tmp", path)  # atomically: a kill mid-write keeps the old one
         dist.barrier()  # no rank reads it before it is complete
 
@@ -295,10 +305,10 @@ def main():
             loss_sum += train_step(model, [t.to(device) for t in batch], optimizer, scheduler,
                                    scaler, amp, args.max_norm, args.accumulation)
             step += 1
-            stopping = torch.tensor(float(bool(stop)), device=device)
+            votes = torch.tensor(float(bool(stop)), device=device)
             if step % 10 == 0:  # a vote waits for the GPU: every 10th step (SLURM waits 30 s)
-                dist.all_reduce(stopping)  # any rank asked: all stop, at the same step
-            stopping = step % 10 == 0 and stopping.item() > 0
+                dist.all_reduce(votes)  # any rank asked: all stop, at the same step
+            stopping = step % 10 == 0 and votes.item() > 0
             if stopping or (step % args.checkpoint_every == 0 and step < steps):
                 save(epoch, step)
             if stopping:
@@ -309,13 +319,17 @@ def main():
         done, rng = 0, None
         save(epoch + 1, 0)
         test_loss, accuracy = evaluate(raw_model, test_loader, device, amp)
-        log(f"epoch {epoch + 1}: train loss {train_loss:.4f}  test loss {test_loss:.4f}"
-                  f"  test accuracy {100 * accuracy:.2f}%")
+        log(f"epoch {epoch + 1}: train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
+            f"test accuracy {100 * accuracy:.2f}%")
     return 0
 
 
-if __name__ == "__main__":
+def run():
     code = main()
     gc.collect()  # main's DDP model holds the group: gone first, then the group (else aborts)
     dist.destroy_process_group()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -98,6 +98,18 @@ def test_sigterm_checkpoints_exits_75_and_a_requeue_ends_as_uninterrupted(folder
     assert_same_weights(weights(out), uninterrupted)
 
 
+def test_a_restart_does_not_adopt_another_runs_checkpoint(folder, uninterrupted, tmp_path):
+    """A requeued run whose --out-dir holds a checkpoint written with other flags (another
+    --seed) says so and starts afresh, instead of continuing someone else's training."""
+    out = tmp_path / "reused"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes((folder / "uninterrupted" / "checkpoint.pt").read_bytes())
+    proc = launch(torchrun_cmd(2, TEMPLATE, *SMALL, "--seed", 1, "--out-dir", out), cwd=folder,
+                  env=base_env(SLURM_RESTART_COUNT=1))
+    assert "not resuming from" in proc.stdout and "resumed at" not in proc.stdout, proc.stdout
+    assert proc.stdout.count("test accuracy") == 2, proc.stdout  # both epochs trained
+
+
 @pytest.mark.parametrize("nproc, flags", [(2, []), (3, ["--batch-size", "96",
                                                         "--accumulation", "2"])])
 def test_check_passes_for_the_template(folder, nproc, flags):
