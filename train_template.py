@@ -193,9 +193,9 @@ def check(model, raw_model, optimizer, scheduler, loader, device, args, steps):
     """--check: rank 0 replays each global batch as one process (the reference), and again with
     the ranks' samples in reverse order (the control: as right, rounded otherwise). DDP passes
     where it differs from the reference at most 10x as much as the control does."""
-    for module in raw_model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0  # the ranks would draw other masks than one process
+    for module in raw_model.modules():  # the ranks would draw other masks than one process
+        if isinstance(module, (nn.Dropout, nn.MultiheadAttention)):
+            setattr(module, "p" if isinstance(module, nn.Dropout) else "dropout", 0.0)
     rank, world, verdict = dist.get_rank(), dist.get_world_size(), None
     twins = [copy.deepcopy(raw_model) for _ in range(2)]  # reference, control: DDP's weights
     optimizers = [build_optimizer(twin, args, steps) for twin in twins]

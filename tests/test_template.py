@@ -33,9 +33,9 @@ def folder(tmp_path_factory):
     return folder
 
 
-def weights(out_dir) -> dict:
+def weights(out_dir, epochs=2) -> dict:
     saved = torch.load(out_dir / "checkpoint.pt", weights_only=True)
-    assert saved["epoch"] == 2 and saved["step"] == 0, (saved["epoch"], saved["step"])
+    assert (saved["epoch"], saved["step"]) == (epochs, 0), (saved["epoch"], saved["step"])
     return saved["model"]
 
 
@@ -52,10 +52,11 @@ def uninterrupted(folder):
     return weights(out)
 
 
-def start_and_signal(folder, out, signum, *, torchrun_extra=(), worker=False, env=None):
+def start_and_signal(folder, out, signum, *, torchrun_extra=(), worker=False, env=None,
+                     script=TEMPLATE, args=SMALL):
     """Start the template; once its first checkpoint is written, send `signum` to torchrun (or,
     worker=True, to one of its worker processes). Returns the finished process."""
-    cmd = torchrun_cmd(2, TEMPLATE, *SMALL, "--out-dir", out, extra=torchrun_extra)
+    cmd = torchrun_cmd(2, script, *args, "--out-dir", out, extra=torchrun_extra)
     proc = subprocess.Popen(cmd, cwd=folder, env=env or base_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
@@ -140,3 +141,27 @@ def test_bad_flags_are_one_line_before_any_work(folder):
     assert proc.returncode != 0
     assert "error: --batch-size 63 does not divide into 2 rank(s)" in proc.stderr, proc.stderr
     assert f'{TEMPLATE}", line' not in proc.stderr, proc.stderr  # no traceback through it
+
+
+PORT = REPO / "examples" / "char_transformer.py"
+PORT_RUN = ["--chars", "20000", "--epochs", "1", "--checkpoint-every", "5"]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_the_transformer_port_passes_check(nproc, tmp_path):
+    """AdamW, clipping and accumulation (2 micro-batches) on 2 and 3 ranks: within the
+    control's rounding at the first step and after 3 steps."""
+    proc = launch(torchrun_cmd(nproc, PORT, "--check", "--batch-size", 16 * nproc),
+                  cwd=tmp_path)
+    assert f"diagnosis: DDP on {nproc} ranks computes what one process computes" in proc.stdout
+
+
+def test_the_transformer_port_resumes_to_the_same_weights_after_kill_9(tmp_path):
+    launch(torchrun_cmd(2, PORT, *PORT_RUN, "--out-dir", tmp_path / "whole"), cwd=tmp_path)
+    out = tmp_path / "killed"
+    code, output = start_and_signal(tmp_path, out, signal.SIGKILL, worker=True,
+                                    torchrun_extra=("--max-restarts", "1"), script=PORT,
+                                    args=PORT_RUN,
+                                    env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+    assert code == 0 and "resumed at step" in output, output
+    assert_same_weights(weights(out, epochs=1), weights(tmp_path / "whole", epochs=1))
