@@ -3,9 +3,10 @@ behind (or the shapes that differ), at 2 and at 3 ranks; --fix exits 0. One torc
 world size, and one for --fix at 3 ranks (the harder split: 97 training samples padded to 99,
 31 test samples in unequal counts; the 2-rank --fix runs in tests/test_gpu.py under NCCL).
 
-The diagnosis itself is also checked without processes, on made-up states, for the branches no
-planted bug reaches (a rank in no collective, a rank that died) and for 4 ranks; so is the choice
-of the Flight Recorder to read for each backend (NCCL cannot run here).
+The diagnosis itself (harness/step10_diagnosis.py) is also checked without processes, on made-up
+states, for the branches no planted bug reaches (a rank in no collective, a rank that died) and
+for 4 ranks; so is the choice of the Flight Recorder to read for each backend (NCCL cannot run
+here). A copied 10, without the harness, plants its bug and ends with torch's own words.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import runpy
 import sys
 
 import pytest
-from conftest import REPO, assert_no_traceback, run_step
-from harness import step10_debugging as debug
+from conftest import REPO, assert_no_traceback, copy_out, launch, run_step, torchrun_cmd
+from harness import step10_diagnosis as debug
 
 BUG_TIMEOUT = 6  # seconds a collective waits: skip and uneven hang this long, then fail
 HANG_GUARD_SECONDS = 180  # a run that has not ended by then hangs (startup alone is ~10 s)
@@ -116,6 +117,32 @@ def test_the_sample_output_in_docs_is_what_the_step_prints(bug_runs):
             assert line in printed, f"{line}\nnot in what the step printed:\n{printed}"
     quoted = set(re.findall(r"10_debugging\.py:(\d+)", page))
     assert quoted and all(f"10_debugging.py:{n} in " in printed for n in quoted), quoted
+
+
+def test_a_copied_10_plants_its_bug_and_ends_within_two_minutes(mnist_root, tmp_path):
+    """10 and common.py alone in an empty folder, as a learner copies them out: --bug shape
+    (DETAIL fails it at once: no timeout to wait for) ends non-zero within the 120 s given, a
+    rank that failed says so in torch's words, where it was and where its Flight Recorder record
+    went, and nothing of the harness (its diagnosis) or of a traceback through the step."""
+    folder, out = tmp_path / "copied", tmp_path / "out"
+    copy_out(["10_debugging.py"], folder)
+    proc = launch(torchrun_cmd(2, "10_debugging.py", "--bug", "shape", "--timeout", 5, "--data",
+                               "mnist", "--data-dir", mnist_root, "--out-dir", out),
+                  cwd=folder, check=False, timeout=120)
+    assert proc.returncode != 0
+    # Each rank leaves at once; torchrun may end the other before it has said it all.
+    failed = [r for r in (0, 1) if f"rank {r}: Detected mismatch between collectives on ranks. "
+              f"Rank {r} is running collective" in proc.stdout]
+    assert failed, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rank, record = failed[0], out / "flight_recorder" / f"rank{failed[0]}"
+    assert re.search(rf"rank {rank}: failed at 10_debugging\.py:\d+ in all_test_losses after 5 "
+                     rf"training steps", proc.stdout), proc.stdout[-3000:]
+    assert record.is_file() and (f"rank {rank}: Flight Recorder record: {record}; read every "
+                                 f"rank's: python -m torch.distributed.flight_recorder.fr_trace "
+                                 f"{record.parent}") in proc.stdout
+    assert "diagnosis:" not in proc.stdout and "[Flight Recorder]" not in proc.stdout
+    assert not [line for line in (proc.stdout + proc.stderr).splitlines()
+                if line.strip().startswith("File ") and str(folder) in line], proc.stderr[-3000:]
 
 
 def test_fix_exits_0_at_3_ranks(tmp_path):
@@ -277,8 +304,16 @@ def test_groups_are_told_apart_by_name_or_creation_order():
     assert debug.pending_collective(other)["seq"] == 3
 
 
-def test_waiting_for_the_gpu_gives_up_after_the_timeout():
+def the_step(monkeypatch) -> dict:
+    """The step's functions, as a module's namespace; main() does not run."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (the step's import sets its own)
+    return runpy.run_path(str(REPO / "10_debugging.py"))
+
+
+def test_waiting_for_the_gpu_gives_up_after_the_timeout(monkeypatch):
     """The NCCL-only wait (a CUDA event's query()), with a stand-in event that never fires."""
+    wait_until_done = the_step(monkeypatch)["wait_until_done"]
+
     class Never:
         def query(self):
             return False
@@ -287,17 +322,16 @@ def test_waiting_for_the_gpu_gives_up_after_the_timeout():
         def query(self):
             return True
 
-    debug.wait_until_done(Done(), 0.1)
+    wait_until_done(Done(), 0.1)
     with pytest.raises(RuntimeError, match="did not finish within 0.2 s"):
-        debug.wait_until_done(Never(), 0.2)
+        wait_until_done(Never(), 0.2)
 
 
 def test_the_step_turns_the_flight_recorder_on_where_torch_keeps_it_off(monkeypatch):
     """torch 2.8 to 2.10 keep no entries unless TORCH_FR_BUFFER_SIZE is set (gloo recorded
     nothing: "last collectives: none", .ci/every_torch.sh); 2.15 keeps 2000. Step 10 asks for
     2000, and leaves a value the user set alone."""
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (the step's import sets its own)
-    step = runpy.run_path(str(REPO / "10_debugging.py"))  # its functions; main() does not run
+    step = the_step(monkeypatch)
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_BLOCKING_WAIT"):
         # Restored after the test, also when unset now (delenv of an unset name records
         # nothing, and turn_on_tools' values then leaked into every later test's processes:
