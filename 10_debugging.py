@@ -1,24 +1,29 @@
-"""Step 10 (side trip from 03): find a hang in minutes: three planted bugs, and the tools.
+"""Step 10 (side trip from 03): find a hang in minutes: three planted bugs, and torch's tools.
 
 Collectives are paired by order alone: a rank that skips one, or makes one more, leaves the
 others waiting, or (gloo) pairs two different ones. --bug skip, shape or uneven plants a mistake
-learners make; --fix is the corrected code. Torch's tools are all on: docs/debugging.md.
+learners make (find the lines marked "BUG"); --fix is the corrected code. Torch's own tools are
+on: TORCH_DISTRIBUTED_DEBUG=DETAIL, the Flight Recorder and its analyser, py-spy.
 
 Run it (any --nproc-per-node from 2; on GPUs, one per GPU):
     torchrun --standalone --nproc-per-node 2 10_debugging.py --bug skip    # or --bug shape
     torchrun --standalone --nproc-per-node 3 10_debugging.py --bug uneven
     torchrun --standalone --nproc-per-node 2 10_debugging.py --fix
 
-Look for: each --bug run ends non-zero within --timeout (10 s here) plus a few seconds; its last
-line, "diagnosis: ...", names the rank behind. Then find the line marked "BUG" below.
-
-Read also: harness/step10_debugging.py (the state of every rank, turned into the diagnosis line).
+Look for: each --bug run ends non-zero within --timeout (10 s here) plus a few seconds; each
+failed rank prints torch's error, where it was and its Flight Recorder file. In the repository,
+harness/step10_debugging.py adds every rank's state and a one-line diagnosis: docs/debugging.md.
 """
 
-import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import contextlib
+# The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
+with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
 import datetime
 import os
+import pickle
+import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,26 +32,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 
 import common
-from harness import versions
-versions.require_torch("2.8", "the Flight Recorder's dump on gloo")  # before it is imported below
-from harness import data, flags
-from harness import step10_debugging as debug
-from harness.model import build_model
 
-EXIT_HANG = 3  # the exit code of a run whose collective failed (as in harness/errors.py)
+EXIT_HANG = 3  # the exit code of a run whose collective failed
 
 
 def turn_on_tools() -> None:
     """The variables are read when a process group is created, so set them before.
 
     NCCL's collectives return before they are done, and by default a watchdog thread ends the
-    whole process (SIGABRT) once one times out: nothing raises in Python, so nothing can be
-    diagnosed. With TORCH_NCCL_BLOCKING_WAIT=1 there is no such abort; a timed-out collective
-    raises in the thread that waits for it, like gloo's. Both NCCL backends of torch 2.15 read
-    it: ProcessGroupNCCL.hpp (TORCH_NCCL_BLOCKING_WAIT) and nccl2/ProcessGroupNCCL.hpp
-    (blocking_wait_: "Blocking wait has no watchdog"). gloo ignores it.
-    The Flight Recorder's 2000 entries are gloo's default from torch 2.11; on 2.8-2.10 gloo
-    recorded nothing unless TORCH_FR_BUFFER_SIZE was set (docs/tests.md)."""
+    whole process (SIGABRT) once one times out: nothing raises in Python. With
+    TORCH_NCCL_BLOCKING_WAIT=1 a timed-out collective raises in the thread that waits for it,
+    like gloo's (gloo ignores the variable). The Flight Recorder keeps 2000 collectives by
+    default on gloo from torch 2.11; on 2.8-2.10 gloo kept none unless this was set."""
     os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
@@ -57,10 +54,9 @@ def setup(args):
     the run and `checked`: a second group over the same ranks for this step's own collectives.
 
     DETAIL wraps every group created while it is on, and DDP on a wrapped gloo group crashes
-    in torch 2.14.1 and 2.15.0 (a segmentation fault while DDP is built: its logger takes the
-    wrapper for a ProcessGroupGloo). So the default group, which DDP uses, is created with
-    DETAIL off and `checked` with DETAIL on: DETAIL checks our collectives, the Flight Recorder
-    sees DDP's."""
+    in torch 2.14.1 and 2.15.0 (a segmentation fault while DDP is built). So the default group,
+    which DDP uses, is created with DETAIL off and `checked` with DETAIL on: DETAIL checks our
+    collectives, the Flight Recorder sees DDP's."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -94,12 +90,26 @@ def training_shard(train_set, run, args):
     return train_set, sampler
 
 
+def wait_until_done(done, seconds: float) -> None:
+    """Wait until `done` (a torch.cuda.Event recorded after a training step) has happened, at
+    most `seconds`. Under NCCL, DDP's all-reduces do not block the host: a rank whose all-reduce
+    waits for a partner would run on and stop, without a word, in the next .item(). Waiting
+    here, with the collective's timeout, makes an NCCL rank fail at the step gloo fails at."""
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"this training step's GPU work did not finish within "
+                               f"{seconds:g} s (--timeout): one of DDP's all-reduces waits "
+                               f"for a rank that never joined it")
+        time.sleep(0.001)
+
+
 def train_one_epoch(model, loader, optimizer, run, checked, progress, timeout):
     """One pass over this rank's batches; returns the mean loss over every rank's samples."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=run.device)  # loss sum, samples
     for images, labels in loader:
-        progress["steps"] += 1  # the watcher reports it: the rank with fewer steps is behind
+        progress["steps"] += 1  # the rank with fewer steps is behind
         images, labels = images.to(run.device), labels.to(run.device)
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(images), labels)
@@ -108,7 +118,7 @@ def train_one_epoch(model, loader, optimizer, run, checked, progress, timeout):
         if run.device.type == "cuda":  # NCCL's all-reduces do not block: wait, with a timeout
             done = torch.cuda.Event()
             done.record()
-            debug.wait_until_done(done, timeout)
+            wait_until_done(done, timeout)
         totals[0] += loss.detach().double() * len(labels)
         totals[1] += len(labels)
     dist.all_reduce(totals, group=checked)
@@ -157,51 +167,45 @@ def all_test_losses(losses, run, checked, args) -> torch.Tensor:
     return everyone
 
 
-def rank_state(run, progress, err=None) -> dict:
-    """What this rank tells the others: its steps, its Flight Recorder record, its line."""
-    record = debug.flight_record()
-    message = str(err) if err is not None else ""
-    return {"rank": run.rank, "pid": os.getpid(), "host": run.hostname,
-            "steps": progress["steps"], "record": record,
-            "last": debug.last_collectives(record), "pending": debug.pending_collective(record),
-            "where": (debug.where(traceback.extract_tb(err.__traceback__), __file__)
-                      if err is not None else debug.main_thread_line(__file__)),
-            "error": message.strip().splitlines()[0] if message.strip() else None,
-            "detail": debug.detail_fingerprint(message), "absent": debug.absent_ranks(message)}
+def watch(run, progress, args) -> None:
+    """py-spy reads a running Python process's stack from outside: while a rank waits, run
+    the command printed here (pip install py-spy; in a container it needs SYS_PTRACE)."""
+    print(f"rank {run.rank}: pid {os.getpid()}; while it waits, py-spy dump --pid "
+          f"{os.getpid()} shows where", flush=True)
 
 
-def report_failure(err, run, args, progress, watcher) -> None:
-    """A collective raised: say what each tool found, then one diagnosis line; never returns
-    (a gloo group whose collective failed cannot be destroyed cleanly: leave at once)."""
-    watcher.stop(publish_last_state=False)
-    if debug.store().check([debug.REPORTED]):  # the diagnosis is out and its reporter gone:
-        os._exit(EXIT_HANG)  # this rank's error ("closed by peer") is that, not news
-    state = debug.as_it_waited(watcher.stuck, rank_state(run, progress, err))
-    # Which tool spoke: DETAIL's checks (on `checked`), or the backend itself (gloo, nccl).
-    from_detail = state["detail"] or state["absent"] or "monitoredBarrier" in (state["error"] or "")
-    tool = "TORCH_DISTRIBUTED_DEBUG=DETAIL" if from_detail else run.backend
-    print(f"[{tool}] rank {run.rank}: {debug.short(state['error'])}", flush=True)
-    debug.publish(run.rank, state)
-    debug.store().set(debug.REQUEST, "1")  # the other ranks' watchers publish theirs now
-    if not debug.elect_reporter():  # the first rank to fail reports for everyone
-        debug.wait_for_report(seconds=10)
-        os._exit(EXIT_HANG)
-    states = debug.collect(run.world_size, wait_seconds=5)
-    for rank, s in sorted(states.items()):
-        groups = "; ".join(f"{name} {debug.describe(c)}{'' if c['done'] else ' NOT completed'}"
-                           for name, c in s["last"].items())
-        print(f"[Flight Recorder] rank {rank} ({s['steps']} steps, at {s['where']}): last "
-              f"collectives: {groups or 'none'}", flush=True)
+def save_flight_record(rank: int, folder: Path) -> str:
+    """This rank's Flight Recorder buffer (its last collectives, completed or not) as a file
+    for torch's analyser. The buffer has no public reader: a private function, looked up.
+    gloo names the default group '' in pg_config but '0' in its entries (the analyser then
+    stops, KeyError ('0', 1)), and a DETAIL-wrapped group '': DDP's group is kept, named '0'.
+    (Under NCCL, DDP's entries are in NCCL's own buffer: harness/step10_diagnosis.py.)"""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return f"none: torch {torch.__version__} has no _dump_fr_trace"
+    record = pickle.loads(dump(includeStackTraces=False))
+    record["entries"] = [e for e in record.get("entries", []) if e["process_group"][0] == "0"]
+    record["pg_config"] = {"0": {**record.get("pg_config", {}).get("", {}), "desc": "default_pg"}}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}").write_bytes(pickle.dumps(record))
+    return str(folder / f"rank{rank}")
+
+
+def report_failure(err, run, args, progress) -> None:
+    """A collective raised (gloo; NCCL with blocking wait): torch's error, where this rank was,
+    its Flight Recorder file. Never returns: a gloo group whose collective failed cannot be
+    destroyed cleanly, so leave at once."""
+    ours = [f for f in traceback.extract_tb(err.__traceback__)
+            if Path(f.filename).name == Path(__file__).name]
+    where = f"{Path(__file__).name}:{ours[-1].lineno} in {ours[-1].name}" if ours else "?"
+    message = (str(err).strip() or type(err).__name__).splitlines()[0]  # torch's own line
+    print(f"rank {run.rank}: {message}", flush=True)
+    print(f"rank {run.rank}: failed at {where} after {progress['steps']} training steps",
+          flush=True)
     folder = args.out_dir / "flight_recorder"
-    unwritten = debug.write_fr_dumps(folder, {r: s["record"] for r, s in states.items()})
-    print(f"[Flight Recorder] records not written: {unwritten}" if unwritten else
-          f"[Flight Recorder] records written: {debug.analyser_command(folder)}", flush=True)
-    for rank, s in sorted(states.items()):
-        if s["host"] == run.hostname and s["error"] is None:  # still stuck, on this machine
-            print(f"[py-spy] rank {rank} (pid {s['pid']}): {debug.py_spy(s['pid'], __file__)}",
-                  flush=True)
-    print(f"diagnosis: {debug.diagnose(states, run.world_size)}", flush=True)
-    debug.store().set(debug.REPORTED, "1")
+    print(f"rank {run.rank}: Flight Recorder record: {save_flight_record(run.rank, folder)}; "
+          f"read every rank's: python -m torch.distributed.flight_recorder.fr_trace {folder}",
+          flush=True)
     os._exit(EXIT_HANG)
 
 
@@ -221,48 +225,55 @@ def check_the_bug_shows(args, world_size: int) -> None:
                                f"has no extra batch; leave it out (default 32N+1)")
 
 
+def sized_for(args, n: int) -> None:
+    """Small and quick: each bug shows within seconds (a CPU laptop, 2 processes). Sized for N
+    ranks: 8 samples per rank and step, 4 steps per rank, and one sample more for rank 0."""
+    args.data = args.data or "auto"  # MNIST, downloaded into --data-dir
+    args.train_samples = args.train_samples or 32 * n + 1
+    args.test_samples = args.test_samples or 10 * n + 1
+    if args.batch_per_rank is None:
+        args.batch_size = args.batch_size or 8 * n
+
+
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
-    parser = flags.parser(__doc__, __file__)
+    if torch.__version__ < "2.8":  # gloo's Flight Recorder and its dump came in torch 2.8
+        raise common.UserError(f"10_debugging.py needs torch >= 2.8 (the Flight Recorder's dump "
+                               f"on gloo); this is torch {torch.__version__}")
+    parser = common.parser(__doc__, __file__)
     choice = parser.add_mutually_exclusive_group(required=True)
     choice.add_argument("--bug", choices=["skip", "shape", "uneven"],
                         help="plant one bug (the others stay fixed)")
     choice.add_argument("--fix", action="store_true", help="run the corrected code")
-    parser.add_argument("--stop-at-loss", type=flags.positive_float("--stop-at-loss"),
-                        default=10.0, metavar="LOSS", help="stop early once the mean training "
-                        "loss is below LOSS (default 10: after the first epoch)")
-    # Small and quick: each bug shows within seconds (a CPU laptop, 2 processes). Sized for N
-    # ranks: 8 samples per rank and step, 4 steps per rank, and one sample more for rank 0.
-    flags.check_launcher_variables(parser)  # before WORLD_SIZE is read here
-    n = int(os.environ.get("WORLD_SIZE", 1))
-    parser.set_defaults(timeout=10, data="synthetic", train_samples=32 * n + 1,
-                        test_samples=10 * n + 1, batch_size=8 * n, epochs=2, quiet=True)
+    parser.add_argument("--stop-at-loss", type=float, default=10.0, metavar="LOSS",
+                        help="stop early once the mean training loss is below LOSS "
+                             "(default 10: after the first epoch)")
+    parser.set_defaults(timeout=10, data=None, batch_size=None, epochs=2, quiet=True)
     args = parser.parse_args()
     if args.lr_scaling != "none":  # a shared flag, but this step has no learning-rate schedule
         parser.error("--lr-scaling: 10_debugging.py trains at a fixed --lr (steps 00-09 scale)")
+    n = int(os.environ.get("WORLD_SIZE", 1))
+    sized_for(args, n)
     recorder = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000 (set by 10)")  # before turn_on_tools
     check_the_bug_shows(args, n)  # before any work starts
     turn_on_tools()
-    debug.check_room(args.out_dir)  # where the records go: a full disk is one line now
     run, checked = setup(args)
-    train_set, test_set = data.load_datasets(args, run, download=run.is_main)
+    train_set, test_set = common.load_datasets(args, run, download=run.is_main)
     plan = common.plan_batches(args, run.world_size, len(train_set))
     common.log(run, f"10_debugging.py: world_size={run.world_size} "
                     f"{'bug=' + args.bug if args.bug else 'fixed'} timeout={args.timeout:g}s "
-                    f"backend={debug.serving_backend()} "
+                    f"backend={run.backend} "
                     f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']} "
                     f"TORCH_FR_BUFFER_SIZE={recorder}")
     shard, sampler = training_shard(train_set, run, args)
-    loader = data.make_loader(shard, plan.per_rank, run, args, sampler=sampler)
+    loader = common.make_loader(shard, plan.per_rank, run, args, sampler=sampler)
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    raw_model = build_model(args, seed=args.seed).to(run.device)
+    raw_model = common.build_model(args, seed=args.seed).to(run.device)
     model = DDP(raw_model, device_ids=[run.device] if run.device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     progress = {"steps": 0}
-    watcher = debug.Watcher(run.rank, lambda: rank_state(run, progress), __file__,
-                            notice_after=args.timeout / 2)
-    watcher.start()
+    watch(run, progress, args)
     try:
         for epoch in range(args.epochs):
             common.seed_everything(args.seed, epoch, run.rank)
@@ -277,9 +288,8 @@ def main():
         everyone = all_test_losses(test_losses(raw_model, test_shard, run), run, checked, args)
         common.log(run, f"median test loss over {len(everyone)} samples: "
                         f"{everyone.median().item():.4f}")
-    except RuntimeError as err:  # gloo raised: DETAIL's check, a timeout or a closed peer
-        report_failure(err, run, args, progress, watcher)
-    watcher.stop()  # leaves this rank's last state for a rank that may still fail
+    except RuntimeError as err:  # torch raised: DETAIL's check, a timeout or a closed peer
+        report_failure(err, run, args, progress)
     del model
     dist.destroy_process_group()
 

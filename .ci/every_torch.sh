@@ -4,7 +4,7 @@
 # torchvision pins its torch: 0.23 goes with 2.8, and 0.29.2 with 2.15.0), in a fresh venv outside
 # the repository; there the tour (.ci/oldest_torch.py: every step ran, or refused in one line
 # naming the torch it needs) and the tests whose outcome depends on the torch (test_versions.py,
-# test_debugging.py: the Flight Recorder's records and dump). One row per version in a table.
+# test_debugging*.py: the Flight Recorder's records and dump). One row per version in a table.
 #
 #   bash .ci/every_torch.sh                       # 2.8 ... 2.15, one after the other
 #   bash .ci/every_torch.sh 2.8 2.15              # only these
@@ -56,7 +56,8 @@ print(torch.__version__, torchvision.__version__)')
     tour_rc=$?
     tour=$(grep -E '^oldest torch [0-9]' "$log" | tail -1 | sed 's/^oldest torch [^:]*: //')
     [ $tour_rc -eq 0 ] || tour="FAILED: $tour"
-    "$venv/bin/python" -m pytest tests/test_versions.py tests/test_debugging.py -q \
+    "$venv/bin/python" -m pytest tests/test_versions.py tests/test_debugging.py \
+        tests/test_debugging_diagnosis.py -q \
         -p no:cacheprovider -rfE >>"$log" 2>&1
     tests=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|^(=+ )?[0-9]+ failed' "$log" | tail -1 | tr -d '=')
     failed=$(grep -E '^FAILED ' "$log" | sed 's/^FAILED tests\///; s/ - .*//' | paste -sd ' ')

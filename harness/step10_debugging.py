@@ -1,35 +1,28 @@
-"""What step 10 needs to ask every rank "where are you?" once a collective has failed.
+"""Step 10 in the repository: every rank's state after a failed collective, turned into one
+diagnosis line, and the Flight Recorder's files for torch's analyser.
 
-Step 10 first needs it. A failed collective raises only on the ranks that were in it (gloo; NCCL
-with TORCH_NCCL_BLOCKING_WAIT=1, which step 10 sets), and nothing at all happens on a rank that
-is elsewhere. So every rank runs a small thread here that waits for a request in the store (the
+A failed collective raises only on the ranks that were in it (gloo; NCCL with
+TORCH_NCCL_BLOCKING_WAIT=1, which step 10 sets), and nothing at all happens on a rank that is
+elsewhere. So every rank runs a small thread here that waits for a request in the store (the
 key/value server every process group already has) and then publishes its state: its Flight
 Recorder's last collectives, its step count and the line its main thread is on. A rank that
-leaves early publishes its last state on the way out.
+leaves early publishes its last state on the way out. step10_diagnosis.py reads the states.
 
-Every private torch API step 10 uses is reached here, in this one file, and each is looked up
-(attribute and argument, never the version number), with a fallback where it is absent:
-  torch._C._distributed_c10d._dump_fr_trace    the Flight Recorder of gloo and of hooked backends
-                                               (absent in torch 2.6.0: no record; its `backend=`
-                                               argument, absent in 2.14.1, present in 2.15.0, is
-                                               passed only for nccl2, new in 2.15 as well)
-  torch._C._distributed_c10d._dump_nccl_trace  legacy ProcessGroupNCCL's own recorder (CUDA
-                                               builds only; absent: no record)
-  ProcessGroup._get_backend(device).name()     which backend serves a group ("gloo", "nccl2",
-                                               or "nccl" for the legacy one); else get_backend()
-  distributed_c10d._get_default_store()        the store every rank can reach (no fallback:
-                                               step 10 refuses in one line, see below)
+take_in(step) replaces these of the step's own functions (the step's plain ones print what
+torch's tools say on each failed rank, and run copied out):
+- setup: checks --out-dir has room first (the records go there: a full disk is one line before
+  any work), and names the backend that carries DDP's collectives (nccl2 or legacy nccl);
+- sized_for: the built-in synthetic digits unless --data is given (no download, no wait for
+  the network: the same samples on every machine, as the tests and docs/debugging.md show);
+- watch: starts the thread above (it also says where a rank waits, through py-spy);
+- all_test_losses: the same, then leaves this rank's last state for ranks still waiting;
+- report_failure: every rank's state, each tool's finding, the files, the diagnosis line.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import inspect
 import json
 import os
-import pickle
-import re
 import shutil
 import subprocess
 import sys
@@ -39,14 +32,14 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch._C._distributed_c10d as c10d_ext
 import torch.distributed as dist
 
-from .checkpoint import check_room  # noqa: F401 -- the step calls it
-from .checkpoint import write_atomically, write_failure
+from .checkpoint import check_room
 from .errors import report
+from .step10_diagnosis import (absent_ranks, analyser_command, as_it_waited, describe,
+                               detail_fingerprint, diagnose, flight_record, last_collectives,
+                               pending_collective, serving_backend, short, write_fr_dumps)
 
-_dump_fr_trace = getattr(c10d_ext, "_dump_fr_trace", None)  # the Flight Recorder's own dump
 if not hasattr(dist.distributed_c10d, "_get_default_store"):  # nothing to ask the ranks through
     report(f"10_debugging.py needs torch.distributed.distributed_c10d._get_default_store(), "
            f"which this torch ({torch.__version__}) does not have")
@@ -54,18 +47,7 @@ if not hasattr(dist.distributed_c10d, "_get_default_store"):  # nothing to ask t
 
 REQUEST, REPORTER, REPORTED = "debug10/request", "debug10/reporter", "debug10/reported"
 POLL_SECONDS = 0.2
-# DETAIL's op names, as the Flight Recorder spells them
-DETAIL_OPS = {"ALLREDUCE": "all_reduce", "BARRIER": "barrier", "BROADCAST": "broadcast",
-              "ALLGATHER": "all_gather", "REDUCE_SCATTER": "reduce_scatter"}
-
-
-def takes(function, keyword: str) -> bool:
-    """Whether `function` accepts `keyword`. torch's C++ functions (pybind11) have no
-    inspect.signature; the first line of their docstring is their signature."""
-    try:
-        return keyword in inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return f"{keyword}:" in (function.__doc__ or "").split("\n", 1)[0]
+EXIT_HANG = 3  # the exit code of a run whose collective failed (as in errors.py and step 10)
 
 
 def store():
@@ -73,91 +55,10 @@ def store():
     return dist.distributed_c10d._get_default_store()
 
 
-# ---------------------------------------------------------------- what one rank knows
-def serving_backend(group=None) -> str:
-    """The name of the backend that carries `group`'s collectives (the default group: DDP's):
-    "gloo"; "nccl2" (what the name `nccl` builds in torch 2.15: distributed_c10d.py,
-    _register_builtin_nccl_backend); or "nccl", the legacy ProcessGroupNCCL (with
-    TORCH_DIST_USE_NCCL2=0, or the name "nccl-legacy")."""
-    group = group or dist.group.WORLD
-    if not (hasattr(group, "_get_backend") and getattr(group, "_device_types", None)):
-        return dist.get_backend(group)  # the public name: "nccl" for either NCCL backend
-    return group._get_backend(group._device_types[0]).name()
-
-
-def dump_for(backend: str):
-    """The function that returns `backend`'s Flight Recorder buffer as a pickle. Each backend
-    records into its own buffer (torch 2.15, FlightRecorder.hpp, getFlightRecorder):
-    - gloo records natively, into the buffer `_dump_fr_trace()` reads by default;
-    - nccl2 records nothing itself: distributed_c10d.py (_maybe_attach_flight_recorder)
-      attaches a FlightRecorderHook to each of its groups, which records into a buffer keyed
-      by the backend's name, "nccl2" (hooks/FlightRecorderHook.hpp); `_dump_fr_trace()` alone
-      would read gloo's, where DDP's NCCL collectives never are;
-    - legacy ProcessGroupNCCL records natively into a buffer of its own (of CUDA events),
-      which only `_dump_nccl_trace()` reads.
-    Without stack traces: symbolising them costs seconds on the first dump."""
-    legacy = getattr(c10d_ext, "_dump_nccl_trace", None)  # only in CUDA builds
-    if (backend == "nccl" and legacy is None) or _dump_fr_trace is None:
-        return lambda: pickle.dumps({})  # no Flight Recorder for it in this torch: no record
-    if backend == "nccl":
-        return functools.partial(legacy, includeStackTraces=False)
-    if backend == "gloo" or not takes(_dump_fr_trace, "backend"):  # one buffer only (2.14.1)
-        return functools.partial(_dump_fr_trace, includeStackTraces=False)
-    return functools.partial(_dump_fr_trace, includeStackTraces=False, backend=backend)
-
-
-def flight_record() -> dict:
-    """This rank's Flight Recorder buffer for the backend that carries DDP's collectives."""
-    return pickle.loads(dump_for(serving_backend())())
-
-
-def group_names(record: dict) -> dict[int, str]:
-    """{pg_id: name} for the two groups step 10 reads in a record. DDP's group is the one whose
-    entries are named ('0', 'default_pg'), or else pg_id 0; step 10's `checked` group is the next
-    pg_id. (gloo names a DETAIL-wrapped group's entries ('', ''), and DETAIL's helper group,
-    created after `checked`, records into gloo's buffer too: the pg_ids tell them apart.)"""
-    ids = sorted({e["pg_id"] for e in record.get("entries", [])})
-    default = next((e["pg_id"] for e in record.get("entries", [])
-                    if tuple(e["process_group"]) == ("0", "default_pg")), 0)
-    others = [i for i in ids if i != default]
-    return {default: "DDP's group", **({others[0]: "checked group"} if others else {})}
-
-
-def collective(entry: dict) -> dict:
-    return {"seq": entry["collective_seq_id"], "op": entry["profiling_name"].split(":")[-1],
-            "shapes": entry["input_sizes"], "dtypes": entry["input_dtypes"],
-            "done": entry["retired"]}
-
-
-def last_collectives(record: dict) -> dict[str, dict]:
-    """The newest entry of each group, by the group's name."""
-    newest, names = {}, group_names(record)
-    for e in record.get("entries", []):
-        if e["pg_id"] in names:
-            name = names[e["pg_id"]]
-            if name not in newest or e["collective_seq_id"] > newest[name]["seq"]:
-                newest[name] = collective(e)
-    return newest
-
-
-def pending_collective(record: dict) -> dict | None:
-    """The collectives this rank entered and never completed (retired False) on the group of
-    the newest of them, as one with its group's name: DDP queues one all-reduce per bucket,
-    so a rank waits in several at once ("#15-16"). None if it waits in none."""
-    names = group_names(record)
-    waiting = [e for e in record.get("entries", []) if e["pg_id"] in names and not e["retired"]]
-    if not waiting:
-        return None
-    group = waiting[-1]["pg_id"]
-    first = next(e for e in waiting if e["pg_id"] == group)["collective_seq_id"]
-    newest = collective(waiting[-1])
-    seq = newest["seq"] if first == newest["seq"] else f"{first}-{newest['seq']}"
-    return {**newest, "seq": seq, "group": names[group]}
-
-
 def where(frames, script: str) -> str:
     """'file:line in function' of the innermost frame inside `script`: the line a rank is on."""
-    ours = [f for f in frames if Path(f.filename).name == Path(script).name]
+    ours = [f for f in frames if Path(f.filename).name == Path(script).name
+            and f.name != "wait_until_done"]  # (the GPU wait: the step calling it is the line)
     if not ours:
         return "outside " + Path(script).name
     f = ours[-1]
@@ -176,57 +77,8 @@ def main_thread_line(script: str) -> str:
 def waiting_in_torch(stack) -> bool:
     """The main thread is inside a collective or a backward (where DDP waits for its
     all-reduces) or waits for its GPU (wait_until_done), not in our own code."""
-    return bool(stack) and any(part in stack[-1].filename for part in (
-        "torch/distributed", "torch/autograd", Path(__file__).name))
-
-
-def wait_until_done(done, seconds: float) -> None:
-    """Wait until `done.query()` (a torch.cuda.Event recorded after a training step) is true;
-    raise RuntimeError if it is not within `seconds`.
-
-    Why: under NCCL, DDP's all-reduces do not block the host. Each bucket's future is complete
-    as soon as the collective is queued (nccl2's WorkNCCL::getFuture, and legacy
-    ProcessGroupNCCL::collective: upstream pytorch's torch/csrc/distributed/c10d/), so a
-    rank whose all-reduce waits for a partner runs on and stops, without a word, in the next
-    call that needs a result (.item()). gloo blocks the host in the backward itself. Waiting
-    here, with the collective's timeout, makes the NCCL rank fail at the step gloo fails at."""
-    deadline = time.monotonic() + seconds
-    while not done.query():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"this training step's GPU work did not finish within "
-                               f"{seconds:g} s (--timeout): one of DDP's all-reduces waits "
-                               f"for a rank that never joined it")
-        time.sleep(0.001)
-
-
-def detail_fingerprint(message: str) -> dict | None:
-    """This rank's own collective, as TORCH_DISTRIBUTED_DEBUG=DETAIL's mismatch error states it
-    ("Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=5, OpType=ALLREDUCE,
-    TensorShape=[51], TensorDtypes=Float, ...)"). Only the first fingerprint is the rank's own;
-    the other rank's, quoted after "but", was seen garbled here for barriers."""
-    m = re.search(r"is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?"
-                  r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\])?(?:, TensorDtypes=(\w+))?", message)
-    if not m:
-        return None
-    shape = [int(s) for s in m[3].split(",") if s.strip()] if m[3] is not None else []
-    # DETAIL counts the collectives before this one; the Flight Recorder numbers from 1.
-    return {"seq": int(m[1]) + 1, "op": DETAIL_OPS.get(m[2], m[2].lower()), "shapes": [shape],
-            "dtypes": [m[4] or ""], "done": False}
-
-
-def short(message: str | None, limit: int = 400) -> str:
-    """An error's first line without DETAIL's long TensorOptions(...) and gloo's source path."""
-    text = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?memory_format=(\([^)]*\)|[^)]*)\)", "",
-                  message or "")
-    text = re.sub(r"^\[[^\]]*\.cc:\d+\] ", "", text)
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
-def absent_ranks(message: str) -> list[int]:
-    """Ranks named by a monitored barrier that timed out ("Ranks 1 failed to pass
-    monitoredBarrier in 10000 ms"); DETAIL runs one before every collective."""
-    m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", message)
-    return [int(r) for r in m[1].split(",")] if m else []
+    return bool(stack) and (stack[-1].name == "wait_until_done" or any(
+        part in stack[-1].filename for part in ("torch/distributed", "torch/autograd")))
 
 
 # ---------------------------------------------------------------- publishing and collecting
@@ -296,17 +148,6 @@ class Watcher(threading.Thread):
             publish(self.rank, self.state())
 
 
-def as_it_waited(stuck: dict | None, now: dict) -> dict:
-    """`now`, with the Flight Recorder view of `stuck` when both are the same wait (same step,
-    same line). Why: gloo marks a collective completed once it has failed (measured, torch
-    2.15), so a record read after this rank's own timeout shows it in no collective, and one
-    read before shows it waiting. Which comes first, the report or this rank's timeout, is a
-    race; the record of the wait itself reads the same either way."""
-    if stuck is None or (stuck["steps"], stuck["where"]) != (now["steps"], now["where"]):
-        return now
-    return {**now, **{key: stuck[key] for key in ("record", "last", "pending")}}
-
-
 # ---------------------------------------------------------------- the optional outside view
 def py_spy(pid: int, script: str) -> str:
     """The line `py-spy dump --pid` finds the process on, or why there is none. py-spy reads
@@ -327,124 +168,83 @@ def py_spy(pid: int, script: str) -> str:
     return lines[0] if lines else f"no frame in {name} (the process is not in it)"
 
 
-# ---------------------------------------------------------------- files for fr_trace
-def analyser_command(folder: Path) -> str:
-    """How to read the files with torch's analyser, where this torch has it (2.8 has not)."""
-    if importlib.util.find_spec("torch.distributed.flight_recorder") is None:
-        return (f"{folder} (torch {torch.__version__} has no analyser: "
-                f"torch.distributed.flight_recorder.fr_trace is in newer torch)")
-    return f"python -m torch.distributed.flight_recorder.fr_trace {folder}"
+# ---------------------------------------------------------------- the step's twins
+def rank_state(run, progress, script: str, err=None) -> dict:
+    """What this rank tells the others: its steps, its Flight Recorder record, its line."""
+    record = flight_record()
+    message = str(err) if err is not None else ""
+    return {"rank": run.rank, "pid": os.getpid(), "host": run.hostname,
+            "steps": progress["steps"], "record": record,
+            "last": last_collectives(record), "pending": pending_collective(record),
+            "where": (where(traceback.extract_tb(err.__traceback__), script)
+                      if err is not None else main_thread_line(script)),
+            "error": message.strip().splitlines()[0] if message.strip() else None,
+            "detail": detail_fingerprint(message), "absent": absent_ranks(message)}
 
 
-def write_fr_dumps(folder: Path, records: dict[int, dict]) -> str | None:
-    """One file per rank, as torch's analyser wants them: `python -m
-    torch.distributed.flight_recorder.fr_trace FOLDER`. The files hold DDP's group only, its
-    entries under one name that pg_config also lists: gloo's dumps (torch 2.14.1 and 2.15.0)
-    list the default group in pg_config under the key '' while its entries name it '0'
-    (fr_trace stops with KeyError ('0', 1)), and name every DETAIL-wrapped group's entries ''
-    (our `checked` group, and DETAIL's helper group), so those are left out.
-    Returns why they could not be written (a full disk), or None: the diagnosis comes next."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        return f"{folder}: {err.strerror}"
-    for rank, record in records.items():
-        ddp = next(i for i, name in group_names(record).items() if name == "DDP's group")
-        entries = [e for e in record.get("entries", []) if e["pg_id"] == ddp]
-        names = {e["process_group"][0] for e in entries} or {"0"}
-        name = names.pop()
-        config = record.get("pg_config", {})
-        config = {name: {**config.get(name, config.get("", {})), "desc": "default_pg"}}
-        dump = pickle.dumps({**record, "entries": entries, "pg_config": config})
-        try:
-            write_atomically(folder / f"rank{rank}", lambda f: f.write(dump))
-        except OSError as err:
-            return f"{folder / f'rank{rank}'}: {write_failure(err, folder / f'rank{rank}')}"
-    return None
+def report_failure(err, run, args, progress, watcher: Watcher, script: str) -> None:
+    """A collective raised: say what each tool found, then one diagnosis line; never returns
+    (a gloo group whose collective failed cannot be destroyed cleanly: leave at once)."""
+    watcher.stop(publish_last_state=False)
+    if store().check([REPORTED]):  # the diagnosis is out and its reporter gone:
+        os._exit(EXIT_HANG)  # this rank's error ("closed by peer") is that, not news
+    state = as_it_waited(watcher.stuck, rank_state(run, progress, script, err))
+    # Which tool spoke: DETAIL's checks (on `checked`), or the backend itself (gloo, nccl).
+    from_detail = (state["detail"] or state["absent"]
+                   or "monitoredBarrier" in (state["error"] or ""))
+    tool = "TORCH_DISTRIBUTED_DEBUG=DETAIL" if from_detail else run.backend
+    print(f"[{tool}] rank {run.rank}: {short(state['error'])}", flush=True)
+    publish(run.rank, state)
+    store().set(REQUEST, "1")  # the other ranks' watchers publish theirs now
+    if not elect_reporter():  # the first rank to fail reports for everyone
+        wait_for_report(seconds=10)
+        os._exit(EXIT_HANG)
+    states = collect(run.world_size, wait_seconds=5)
+    for rank, s in sorted(states.items()):
+        groups = "; ".join(f"{name} {describe(c)}{'' if c['done'] else ' NOT completed'}"
+                           for name, c in s["last"].items())
+        print(f"[Flight Recorder] rank {rank} ({s['steps']} steps, at {s['where']}): last "
+              f"collectives: {groups or 'none'}", flush=True)
+    folder = args.out_dir / "flight_recorder"
+    unwritten = write_fr_dumps(folder, {r: s["record"] for r, s in states.items()})
+    print(f"[Flight Recorder] records not written: {unwritten}" if unwritten else
+          f"[Flight Recorder] records written: {analyser_command(folder)}", flush=True)
+    for rank, s in sorted(states.items()):
+        if s["host"] == run.hostname and s["error"] is None:  # still stuck, on this machine
+            print(f"[py-spy] rank {rank} (pid {s['pid']}): {py_spy(s['pid'], script)}",
+                  flush=True)
+    print(f"diagnosis: {diagnose(states, run.world_size)}", flush=True)
+    store().set(REPORTED, "1")
+    os._exit(EXIT_HANG)
 
 
-# ---------------------------------------------------------------- the diagnosis line
-def describe(c) -> str:
-    """'#5 all_reduce of [51] Float' for a collective from the Flight Recorder or DETAIL."""
-    shapes = ", ".join(str(list(s)) for s in c["shapes"]) or "no tensor"
-    return f"#{c['seq']} {c['op']} of {shapes} {'/'.join(d for d in c['dtypes'] if d)}".rstrip()
+def take_in(step: dict) -> None:
+    """Replace step 10's plain functions by the ones above (this module's docstring says why)."""
+    script, plain = step["__file__"], dict(step)
+    watchers = []  # this rank's one watcher, once watch() has started it
 
+    def setup(args):
+        check_room(args.out_dir)  # where the records go: a full disk is one line now
+        run, checked = plain["setup"](args)
+        run.backend = serving_backend()  # "nccl2" or "nccl" (legacy) under NCCL
+        return run, checked
 
-def pending(state):
-    """The collective a rank was in when it failed: its own DETAIL fingerprint, else the
-    Flight Recorder's entry that never completed; None if it was in none."""
-    return state["detail"] or state["pending"]
+    def sized_for(args, n):
+        args.data = args.data or "synthetic"
+        plain["sized_for"](args, n)
 
+    def watch(run, progress, args):
+        watchers.append(Watcher(run.rank, lambda: rank_state(run, progress, script), script,
+                                notice_after=args.timeout / 2))
+        watchers[0].start()
 
-def who_is_behind(states: dict):
-    """(ranks behind, a rank ahead), or None when no rank is behind. Behind means fewer
-    training steps; at equal steps, absent from a collective (DETAIL's monitored barrier names
-    it), or fewer collectives on DDP's group (the Flight Recorder's counts). Ranks in order,
-    the rank ahead the lowest of those with the most: the line is the same in every run."""
-    ranks = sorted(states)
-    steps = {r: states[r]["steps"] for r in ranks}
-    absent = {r for s in states.values() for r in s["absent"]}
-    seen = {r: states[r]["last"].get("DDP's group", {"seq": 0})["seq"] for r in ranks}
-    for counts in (steps, None, seen):
-        if counts is None and absent and set(states) - absent:
-            return sorted(absent), min(set(states) - absent)
-        if counts is not None and len(set(counts.values())) > 1:
-            return ([r for r in ranks if counts[r] == min(counts.values())],
-                    max(ranks, key=counts.get))
-    return None
+    def all_test_losses(losses, run, checked, args):
+        everyone = plain["all_test_losses"](losses, run, checked, args)
+        watchers[0].stop()  # its last state stays, for a rank that may still fail
+        return everyone
 
+    def report_failure_(err, run, args, progress):
+        report_failure(err, run, args, progress, watchers[0], script)
 
-def missed_collective(states: dict, behind: int, ahead: int) -> str:
-    """The collective the rank ahead waits in: its own record of it, else (when its record
-    was read after gloo had marked it completed) the ones on DDP's group that only the rank
-    ahead holds."""
-    missed = pending(states[ahead])
-    newest = states[ahead]["last"].get("DDP's group")
-    first = states[behind]["last"].get("DDP's group", {"seq": 0})["seq"] + 1
-    if missed is None and newest and newest["seq"] >= first:
-        numbers = f"#{first}" if first == newest["seq"] else f"#{first}-{newest['seq']}"
-        return f"{numbers} {describe(newest).split(' ', 1)[1]} on DDP's group"
-    if missed is None:
-        return "(none recorded)"
-    return describe(missed) + (f" on {missed['group']}" if "group" in missed else "")
-
-
-def odd_one_out(ops: dict) -> str:
-    """' (rank R differs)' when every rank but R holds one shape (3 ranks or more)."""
-    shapes = {r: str(o["shapes"]) for r, o in ops.items()}
-    for r, shape in shapes.items():
-        rest = {s for q, s in shapes.items() if q != r}
-        if len(shapes) > 2 and len(rest) == 1 and shape not in rest:
-            return f" (rank {r} differs)"
-    return ""
-
-
-def diagnose(states: dict, world_size: int) -> str:
-    """One line: the rank that is behind and the collective it missed, or the shapes that
-    differ, or (failing both) where each rank is."""
-    gone = [r for r in range(world_size) if r not in states]
-    if gone:
-        return (f"rank {', '.join(map(str, gone))} died without a word (gloo aborts a process "
-                f"whose collective received more data than it expected, NCCL's watchdog one "
-                f"whose collective timed out): see its output above")
-    found = who_is_behind(states)
-    if found:
-        behind, ahead = found
-        steps = (f" ({states[behind[0]]['steps']} training steps, rank {ahead} took "
-                 f"{states[ahead]['steps']})" if states[behind[0]]["steps"] !=
-                 states[ahead]["steps"] else "")
-        who = (f"rank {behind[0]} is behind{steps}: it" if len(behind) == 1 else
-               f"ranks {', '.join(map(str, behind))} are behind{steps}: they")
-        return (f"{who} missed collective "
-                f"{missed_collective(states, behind[0], ahead)}, which rank {ahead} waits in "
-                f"at {states[ahead]['where']}; rank {behind[0]} is at "
-                f"{states[behind[0]]['where']}")
-    ops = {r: pending(s) for r, s in states.items()}
-    if all(ops.values()) and len({o["op"] for o in ops.values()}) == 1:
-        first = ops[min(ops)]
-        return (f"collective #{first['seq']} ({first['op']}) got tensors of different shapes"
-                f"{odd_one_out(ops)}: " + "; ".join(f"rank {r} {describe(o).split(' of ')[1]} "
-                                                   f"at {states[r]['where']}"
-                                                   for r, o in sorted(ops.items())))
-    return "ranks disagree: " + "; ".join(f"rank {r} in {describe(o) if o else 'no collective'}"
-                                          f" at {states[r]['where']}" for r, o in ops.items())
+    step.update(setup=setup, sized_for=sized_for, watch=watch, all_test_losses=all_test_losses,
+                report_failure=report_failure_)

@@ -52,6 +52,8 @@ def warn_of_unsupported_torch() -> None:
 
 
 def torch_needed_by(script) -> str | None:
-    """The version a step's require_torch(...) line asks for, or None (tour.py reads it)."""
-    found = re.search(r'require_torch\("([\d.]+)"', Path(script).read_text())
-    return found.group(1) if found else None
+    """The version a step asks for, or None (tour.py reads it): in its require_torch("X.Y", ...)
+    line, or in a copyable step's own check, `if torch.__version__ < "X.Y":`."""
+    found = re.search(r'require_torch\("([\d.]+)"|torch\.__version__ < "([\d.]+)"',
+                      Path(script).read_text())
+    return (found.group(1) or found.group(2)) if found else None

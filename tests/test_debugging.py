@@ -3,23 +3,20 @@ behind (or the shapes that differ), at 2 and at 3 ranks; --fix exits 0. One torc
 world size, and one for --fix at 3 ranks (the harder split: 97 training samples padded to 99,
 31 test samples in unequal counts; the 2-rank --fix runs in tests/test_gpu.py under NCCL).
 
-The diagnosis itself is also checked without processes, on made-up states, for the branches no
-planted bug reaches (a rank in no collective, a rank that died) and for 4 ranks; so is the choice
-of the Flight Recorder to read for each backend (NCCL cannot run here).
+A copied 10, without the harness, plants its bug and ends with torch's own words. The diagnosis
+alone, on made-up states, is checked in tests/test_debugging_diagnosis.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import runpy
 import sys
 
 import pytest
-from conftest import REPO, assert_no_traceback, run_step
-from harness import step10_debugging as debug
+from conftest import REPO, assert_no_traceback, copy_out, launch, run_step, torchrun_cmd
 
 BUG_TIMEOUT = 6  # seconds a collective waits: skip and uneven hang this long, then fail
 HANG_GUARD_SECONDS = 180  # a run that has not ended by then hangs (startup alone is ~10 s)
@@ -118,6 +115,32 @@ def test_the_sample_output_in_docs_is_what_the_step_prints(bug_runs):
     assert quoted and all(f"10_debugging.py:{n} in " in printed for n in quoted), quoted
 
 
+def test_a_copied_10_plants_its_bug_and_ends_within_two_minutes(mnist_root, tmp_path):
+    """10 and common.py alone in an empty folder, as a learner copies them out: --bug shape
+    (DETAIL fails it at once: no timeout to wait for) ends non-zero within the 120 s given, a
+    rank that failed says so in torch's words, where it was and where its Flight Recorder record
+    went, and nothing of the harness (its diagnosis) or of a traceback through the step."""
+    folder, out = tmp_path / "copied", tmp_path / "out"
+    copy_out(["10_debugging.py"], folder)
+    proc = launch(torchrun_cmd(2, "10_debugging.py", "--bug", "shape", "--timeout", 5, "--data",
+                               "mnist", "--data-dir", mnist_root, "--out-dir", out),
+                  cwd=folder, check=False, timeout=120)
+    assert proc.returncode != 0
+    # Each rank leaves at once; torchrun may end the other before it has said it all.
+    failed = [r for r in (0, 1) if f"rank {r}: Detected mismatch between collectives on ranks. "
+              f"Rank {r} is running collective" in proc.stdout]
+    assert failed, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rank, record = failed[0], out / "flight_recorder" / f"rank{failed[0]}"
+    assert re.search(rf"rank {rank}: failed at 10_debugging\.py:\d+ in all_test_losses after 5 "
+                     rf"training steps", proc.stdout), proc.stdout[-3000:]
+    assert record.is_file() and (f"rank {rank}: Flight Recorder record: {record}; read every "
+                                 f"rank's: python -m torch.distributed.flight_recorder.fr_trace "
+                                 f"{record.parent}") in proc.stdout
+    assert "diagnosis:" not in proc.stdout and "[Flight Recorder]" not in proc.stdout
+    assert not [line for line in (proc.stdout + proc.stderr).splitlines()
+                if line.strip().startswith("File ") and str(folder) in line], proc.stderr[-3000:]
+
+
 def test_fix_exits_0_at_3_ranks(tmp_path):
     proc = run_step("10_debugging.py", ["--fix", "--out-dir", tmp_path], nproc=3,
                     timeout=HANG_GUARD_SECONDS)
@@ -142,143 +165,17 @@ def test_refused_before_any_work(args, env, message):
     assert proc.stderr.strip() == f"error: {message}"
 
 
-# ---------------------------------------------------------------- the diagnosis alone
-def state(rank, steps, last_seq, pending=None, absent=(), where="here", detail=None):
-    """A rank's published state, as 10_debugging.rank_state makes it, without the record."""
-    last = {"seq": last_seq, "op": "all_reduce", "shapes": [[4]], "dtypes": ["Float"],
-            "done": pending is None}
-    return {"rank": rank, "steps": steps, "last": {"DDP's group": last}, "pending": pending,
-            "detail": detail, "absent": list(absent), "where": where}
+# ---------------------------------------------------------------- the step's own functions
+def the_step(monkeypatch) -> dict:
+    """The step's functions, as a module's namespace; main() does not run."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (the step's import sets its own)
+    return runpy.run_path(str(REPO / "10_debugging.py"))
 
 
-def test_diagnosis_names_a_rank_in_no_collective():
-    """DETAIL's monitored barrier names the rank that never came (same steps, same record)."""
-    states = {0: state(0, 3, 7, absent=[1], where="a.py:1 in f"), 1: state(1, 3, 7)}
-    line = debug.diagnose(states, 2)
-    assert line.startswith("rank 1 is behind") and "rank 0 waits in at a.py:1 in f" in line
-
-
-def test_diagnosis_without_detail_uses_the_flight_recorder_counts():
-    """Without DETAIL, the waiting rank's record holds one collective more, not completed."""
-    waiting = {"seq": 8, "op": "all_reduce", "shapes": [[4]], "dtypes": ["Float"], "done": False}
-    states = {0: state(0, 3, 8, pending=waiting, where="a.py:9 in g"), 1: state(1, 3, 7)}
-    line = debug.diagnose(states, 2)
-    assert line.startswith("rank 1 is behind: it missed collective #8 all_reduce of [4] Float")
-    assert "which rank 0 waits in at a.py:9 in g" in line
-
-
-def test_diagnosis_names_a_rank_that_died():
-    assert debug.diagnose({0: state(0, 3, 7)}, 2).startswith("rank 1 died")
-
-
-def test_diagnosis_names_the_collectives_only_the_rank_ahead_holds():
-    """gloo marked DDP's timed-out all-reduce as completed (seen here): the counts still tell."""
-    states = {0: state(0, 5, 14, where="a.py:5 in h"), 1: state(1, 6, 16, where="a.py:7 in t")}
-    assert debug.diagnose(states, 2) == (
-        "rank 0 is behind (5 training steps, rank 1 took 6): it missed collective #15-16 "
-        "all_reduce of [4] Float on DDP's group, which rank 1 waits in at a.py:7 in t; rank 0 "
-        "is at a.py:5 in h")
-
-
-def test_a_rank_reads_the_same_whether_its_own_timeout_came_first_or_not():
-    """The race CI met: a rank published by its watcher while it waits (DDP's two bucket
-    all-reduces not retired) and the same rank after its timeout (gloo retired both) are the
-    same state once as_it_waited gives both the record of the wait: same lines, same diagnosis."""
-    def record(retired):
-        return {"entries": [entry(0, ("0", "default_pg"), seq=14),
-                            entry(0, ("0", "default_pg"), seq=15, retired=retired),
-                            entry(0, ("0", "default_pg"), seq=16, retired=retired)]}
-
-    def rank_state(retired, error):
-        r = record(retired)
-        return {"rank": 1, "steps": 6, "where": "a.py:7 in t", "record": r, "error": error,
-                "last": debug.last_collectives(r), "pending": debug.pending_collective(r),
-                "detail": None, "absent": []}
-
-    stuck = rank_state(retired=False, error=None)  # taken by the watcher while it waits
-    waiting = debug.as_it_waited(stuck, rank_state(retired=False, error=None))
-    failed = debug.as_it_waited(stuck, rank_state(retired=True, error="Timed out"))
-    assert failed["pending"] == waiting["pending"] and failed["last"] == waiting["last"]
-    assert debug.describe(failed["pending"]) == "#15-16 all_reduce of [2] Float"
-    behind = {"rank": 0, "steps": 5, "where": "a.py:5 in h", "record": {}, "detail": None,
-              "absent": [], "pending": None,
-              "last": {"DDP's group": debug.collective(entry(0, seq=14))}}
-    lines = {debug.diagnose({0: behind, 1: s}, 2) for s in (waiting, failed)}
-    assert lines == {"rank 0 is behind (5 training steps, rank 1 took 6): it missed collective "
-                     "#15-16 all_reduce of [2] Float on DDP's group, which rank 1 waits in at "
-                     "a.py:7 in t; rank 0 is at a.py:5 in h"}
-    # Another wait (a later step, or another line) keeps its own record.
-    later = rank_state(retired=True, error="Timed out") | {"steps": 7}
-    assert debug.as_it_waited(stuck, later) == later
-
-
-def test_diagnosis_at_4_ranks():
-    """The three bugs' states at 4 ranks, as the 2- and 3-rank runs above publish them (in
-    the order they arrive: any order, the line is the same)."""
-    skip = {**{r: state(r, 6, 16) for r in (3, 1, 2)}, 0: state(0, 5, 14)}
-    assert debug.diagnose(skip, 4).startswith("rank 0 is behind (5 training steps, rank 1 "
-                                              "took 6)")
-    uneven = {**{r: state(r, 4, 12) for r in (2, 3, 1)}, 0: state(0, 5, 14)}
-    assert debug.diagnose(uneven, 4).startswith("ranks 1, 2, 3 are behind (4 training steps, "
-                                                "rank 0 took 5): they missed collective #13-14")
-
-    def fingerprint(n):
-        return {"seq": 3, "op": "all_reduce", "shapes": [[n]], "dtypes": ["Float"],
-                "done": False}
-    shape = {r: state(r, 5, 14, detail=fingerprint(11 if r == 0 else 10)) for r in range(4)}
-    line = debug.diagnose(shape, 4)
-    assert line.startswith("collective #3 (all_reduce) got tensors of different shapes "
-                           "(rank 0 differs): rank 0 [11] Float")
-    assert "rank 3 [10] Float" in line
-
-
-# ---------------------------------------------------------------- which Flight Recorder
-def test_the_flight_recorder_read_is_the_one_of_the_backend_that_carries_ddp():
-    """gloo records into the buffer `_dump_fr_trace()` reads by default; nccl2 (what `nccl`
-    builds in torch 2.15) into the hook's buffer named "nccl2"; legacy ProcessGroupNCCL into
-    its own, which `_dump_nccl_trace()` reads (see debug.dump_for for the sources)."""
-    gloo, nccl2 = debug.dump_for("gloo"), debug.dump_for("nccl2")
-    assert gloo.func is debug._dump_fr_trace and "backend" not in gloo.keywords
-    # `backend=` is looked up, not assumed: torch 2.14.1 has none (and one buffer), 2.15.0 has it
-    assert nccl2.func is debug._dump_fr_trace and nccl2.keywords.get("backend") == (
-        "nccl2" if debug.takes(debug._dump_fr_trace, "backend") else None)
-    assert not gloo.keywords["includeStackTraces"] and not nccl2.keywords["includeStackTraces"]
-    # A hooked backend's buffer is its own: on this CPU machine nothing ever recorded into it.
-    assert pickle.loads(nccl2()).get("entries", []) == []
-    legacy = debug.dump_for("nccl")
-    if not hasattr(debug.c10d_ext, "_dump_nccl_trace"):
-        assert pickle.loads(legacy()) == {}  # a CPU-only build: no legacy NCCL, no record
-        pytest.skip("this torch is a CPU-only build: no legacy NCCL to read")
-    assert legacy.func.__name__ == "_dump_nccl_trace"
-
-
-def test_a_keyword_is_found_in_a_signature_or_a_pybind11_docstring():
-    """torch's C++ functions have no inspect.signature: their docstring's first line is one."""
-    assert debug.takes(debug.dump_for, "backend") and not debug.takes(debug.dump_for, "rank")
-    assert debug.takes(debug._dump_fr_trace, "includeStackTraces")
-    assert not debug.takes(debug._dump_fr_trace, "noSuchArgument")
-
-
-def entry(pg_id, name=("", ""), seq=1, retired=True):
-    return {"pg_id": pg_id, "process_group": name, "collective_seq_id": seq,
-            "profiling_name": "x:all_reduce", "input_sizes": [[2]], "input_dtypes": ["Float"],
-            "retired": retired}
-
-
-def test_groups_are_told_apart_by_name_or_creation_order():
-    """gloo (measured in torch 2.15): DDP's group ('0', 'default_pg') is pg 0, the DETAIL-wrapped
-    `checked` group pg 1 with entries named ('', ''), DETAIL's helper pg 2. A record whose
-    default group is not pg 0 (a backend that numbers its groups its own way) is read by name."""
-    gloo = {"entries": [entry(0, ("0", "default_pg")), entry(2), entry(1)]}
-    assert debug.group_names(gloo) == {0: "DDP's group", 1: "checked group"}
-    other = {"entries": [entry(7, ("1", "undefined")), entry(5, ("0", "default_pg"), seq=3,
-                                                             retired=False)]}
-    assert debug.group_names(other) == {5: "DDP's group", 7: "checked group"}
-    assert debug.pending_collective(other)["seq"] == 3
-
-
-def test_waiting_for_the_gpu_gives_up_after_the_timeout():
+def test_waiting_for_the_gpu_gives_up_after_the_timeout(monkeypatch):
     """The NCCL-only wait (a CUDA event's query()), with a stand-in event that never fires."""
+    wait_until_done = the_step(monkeypatch)["wait_until_done"]
+
     class Never:
         def query(self):
             return False
@@ -287,17 +184,16 @@ def test_waiting_for_the_gpu_gives_up_after_the_timeout():
         def query(self):
             return True
 
-    debug.wait_until_done(Done(), 0.1)
+    wait_until_done(Done(), 0.1)
     with pytest.raises(RuntimeError, match="did not finish within 0.2 s"):
-        debug.wait_until_done(Never(), 0.2)
+        wait_until_done(Never(), 0.2)
 
 
 def test_the_step_turns_the_flight_recorder_on_where_torch_keeps_it_off(monkeypatch):
     """torch 2.8 to 2.10 keep no entries unless TORCH_FR_BUFFER_SIZE is set (gloo recorded
     nothing: "last collectives: none", .ci/every_torch.sh); 2.15 keeps 2000. Step 10 asks for
     2000, and leaves a value the user set alone."""
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (the step's import sets its own)
-    step = runpy.run_path(str(REPO / "10_debugging.py"))  # its functions; main() does not run
+    step = the_step(monkeypatch)
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_BLOCKING_WAIT"):
         # Restored after the test, also when unset now (delenv of an unset name records
         # nothing, and turn_on_tools' values then leaked into every later test's processes:
@@ -309,14 +205,3 @@ def test_the_step_turns_the_flight_recorder_on_where_torch_keeps_it_off(monkeypa
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
     step["turn_on_tools"]()
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50"
-
-
-def test_the_analyser_is_named_only_where_this_torch_has_it(tmp_path):
-    """torch 2.8 has no torch.distributed.flight_recorder: 10 named a command that fails there."""
-    line = debug.analyser_command(tmp_path)
-    try:
-        import torch.distributed.flight_recorder.fr_trace  # noqa: F401
-    except ImportError:
-        assert line.startswith(f"{tmp_path} (torch ") and "has no analyser" in line
-    else:
-        assert line == f"python -m torch.distributed.flight_recorder.fr_trace {tmp_path}"

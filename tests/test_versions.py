@@ -31,13 +31,20 @@ def test_version_comparison():
 
 
 def test_every_gated_step_checks_before_its_harness_imports():
-    """The check must come before anything only a newer torch can import (10's harness)."""
+    """The check must come before anything only a newer torch can import (a step's harness
+    imports), or, in a step that imports no harness module (10: copyable), before any work:
+    the first statement of its main(), a UserError (one line, exit 2, as require_torch)."""
     gated = {script: versions.torch_needed_by(REPO / script) for script, *_ in tour.STEPS}
     gated = {script: version for script, version in gated.items() if version}
     assert set(gated) >= {"10_debugging.py"}, gated
     for script in gated:
         source = (REPO / script).read_text()
         first_harness_import = source.replace("\nfrom harness import versions\n", "\n", 1)
+        if "\nfrom harness" not in first_harness_import:
+            main = source.split("\ndef main():\n", 1)[1]
+            assert main.lstrip().startswith(f'if torch.__version__ < "{gated[script]}":'), script
+            assert "raise common.UserError(" in main.split("\n")[1], script
+            continue
         assert first_harness_import.index("versions.require_torch(") < \
             first_harness_import.index("\nfrom harness"), script
 
@@ -93,7 +100,7 @@ import torch._C._distributed_c10d as c10d
 del torch.serialization._get_layout, dcp_filesystem._StorageInfo, c10d._dump_fr_trace
 if hasattr(c10d, "_dump_nccl_trace"):
     del c10d._dump_nccl_trace
-from harness import step09_dcp_checkpoint as dcp_checkpoint, step10_debugging as debug
+from harness import step09_dcp_checkpoint as dcp_checkpoint, step10_diagnosis as debug
 assert not [key for key in dcp_checkpoint.METADATA_GLOBALS if key[1] in ("_get_layout",
                                                                           "_StorageInfo")]
 assert all(pickle.loads(debug.dump_for(name)()) == {} for name in ("gloo", "nccl2", "nccl"))
