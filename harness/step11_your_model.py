@@ -1,16 +1,28 @@
-"""What step 11 needs to prove its fixes: one process trained beside the DDP model as the
-yardstick, tensors gathered from every rank and compared, and the lines the step prints.
+"""Step 11's one-process replay: what proves its fixes, and the lines the repository prints.
 
-Step 11 first needs it. Rank 0 keeps a copy of the model and trains it the way one process
-would: on the global batch (every rank's micro-batches, gathered in rank order), with plain
-BatchNorm over all of it and the gradient clipped once. After each step the DDP model's outputs,
-gradients, BatchNorm running statistics and weights are compared with the copy's; the
-largest difference of each kind is what the step reports. Nothing here is a lesson: the
-mistakes and their fixes are all in 11_your_model.py.
+Rank 0 keeps a copy of the model and trains it the way one process would: on the global batch
+(every rank's micro-batches, gathered in rank order), with plain BatchNorm over all of it and
+the gradient clipped once. After each step the DDP model's outputs, gradients, BatchNorm running
+statistics and weights are compared with the copy's; the largest difference of each kind is what
+the step reports. The mistakes and their fixes are all in 11_your_model.py, which runs copied
+out without this module; in the repository `take_in(step)` (twins.py) wraps its functions:
+
+- parse_flags: the --out-dir is checked for room first (a full disk is one line before any work);
+  DEFAULTS draws the built-in synthetic digits (offline, in seconds; a copy reads MNIST);
+- training_loader: the loader also yields each sample's index (which samples each rank drew);
+- synchronise_batchnorm: the one-process copy is taken first, with plain BatchNorm;
+- train_step: its outputs (a forward hook) and the gradients the optimizer applies (a step
+  pre-hook) are compared with the copy's step on the gathered batch;
+- train_step, save_and_reload: torch's error from a planted mistake is quoted, then a
+  "diagnosis:" line, and every rank exits 4 (EXIT_MISTAKE);
+- save_model: written atomically, a failure one line; show_result: the checks, then the
+  diagnosis (exit 4), or "all fixes hold" (a fix that did not: exit 1).
+A stop signal (SIGTERM) ends 11 at once, in one line: it has nothing to checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -19,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from .checkpoint import check_room  # noqa: F401 -- the step calls it
-from .checkpoint import write_atomically, write_failure
-from .errors import UserError, stop_signals_end_now  # noqa: F401 -- the step calls it
+from .checkpoint import check_room, write_atomically, write_failure
+from .errors import UserError, stop_signals_end_now
+from .ranks import all_ranks_agree, log
 
 # N ranks vs one process over the same global batch, float32 on the CPU: the same sums in
 # another order (the all-reduced BatchNorm statistics, DDP's averaged gradients). Measured on
@@ -29,6 +41,10 @@ from .errors import UserError, stop_signals_end_now  # noqa: F401 -- the step ca
 # CPU (see docs/your-model.md); the planted batchnorm and clip mistakes differ by 1e-3 or more.
 TOLERANCE = 1e-5
 CHECKS = ("outputs", "gradients", "running statistics", "weights")
+EXIT_MISTAKE = 4  # the planted mistake showed: torch raised, or a check measured it
+RAISES = {"unused": "Expected to have finished reduction in the prior iteration",
+          "checkpointing": "Expected to mark a variable ready only once",
+          "save": "Error(s) in loading state_dict"}
 
 
 class WithIndex(Dataset):
@@ -237,3 +253,94 @@ def report(one_process, sampled, reloaded, run, args) -> bool:
               f"disjoint; the saved model reloads bit for bit")
         return False
     return True
+
+
+# ---------------------------------------------------------------- the twins of 11's functions
+TWINS = ("parse_flags", "training_loader", "synchronise_batchnorm", "train_step",
+         "save_and_reload", "save_model", "show_result")
+
+
+def take_in(step: dict) -> None:
+    """Wrap 11's functions (this module's docstring says how and why)."""
+    stop_signals_end_now()  # from the main thread, before main() runs
+    step["DEFAULTS"] = {**step["DEFAULTS"], "data": "synthetic"}
+    replay = Replay(step)
+    for name in TWINS:
+        step[name] = getattr(replay, name)
+
+
+class Drawn:
+    """The step's loader over WithIndex(dataset): yields (images, labels), keeps the indices."""
+
+    def __init__(self, loader):
+        self.loader, self.seen = loader, []
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for images, labels, indices in self.loader:
+            self.seen.append(indices)
+            yield images, labels
+
+
+class Replay:
+    """One run of 11: its plain functions, and what the twins learn on the way."""
+
+    def __init__(self, step: dict):
+        self.step, self.plain = step, {name: step[name] for name in TWINS}
+
+    def parse_flags(self):
+        args = self.plain["parse_flags"]()
+        check_room(args.out_dir)  # where the model goes: a full disk is one line now
+        return args
+
+    def training_loader(self, train_set, run, args, plan):
+        self.run, self.args = run, args
+        self.loader = Drawn(self.plain["training_loader"](WithIndex(train_set), run, args, plan))
+        return self.loader
+
+    def synchronise_batchnorm(self, model, run, args):
+        self.one_process = OneProcess(model, self.step["loss_of"], args.lr, args.max_norm, run)
+        return self.plain["synchronise_batchnorm"](model, run, args)
+
+    def train_step(self, model, images, labels, optimizer, plan, with_aux, args) -> None:
+        outputs, grads = [], []
+        hooks = [model.register_forward_hook(lambda m, i, out: outputs.append(out[0].detach())),
+                 optimizer.register_step_pre_hook(
+                     lambda *_: grads.append(gradients(model.module)))]
+        try:
+            with self.planted():
+                self.plain["train_step"](model, images, labels, optimizer, plan, with_aux, args)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        micro_batches = list(zip(images.split(plan.micro_batch), labels.split(plan.micro_batch)))
+        self.one_process.compare(model.module, micro_batches, outputs, grads[0], with_aux)
+
+    def save_and_reload(self, *args) -> float:
+        with self.planted():
+            return self.plain["save_and_reload"](*args)
+
+    def save_model(self, state: dict, path) -> None:
+        save_atomically(state, path)
+
+    @contextlib.contextmanager
+    def planted(self):
+        """torch's error from the planted mistake: quoted, diagnosed, exit 4 on every rank."""
+        try:
+            yield
+        except RuntimeError as err:
+            bug = self.args.bug
+            if bug not in RAISES or RAISES[bug] not in str(err):
+                raise  # not the planted error: run_main explains it, or shows its traceback
+            log(self.run, f"[torch] rank {self.run.rank} raised:\n{explain(err, bug)}")
+            dist.barrier()  # no rank leaves (and torchrun stops the rest) before rank 0 printed
+            raise SystemExit(EXIT_MISTAKE) from None
+
+    def show_result(self, raw_model, test_images, test_labels, reloaded, run, args) -> None:
+        self.plain["show_result"](raw_model, test_images, test_labels, reloaded, run, args)
+        sampled = overlap(torch.cat(self.loader.seen), run)
+        failed = report(self.one_process, sampled, reloaded, run, args) if run.is_main else False
+        if all_ranks_agree(run, failed, any_rank=True):  # every rank exits alike
+            raise SystemExit(EXIT_MISTAKE if args.bug else 1)
