@@ -19,7 +19,6 @@ import contextlib
 with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
 import os
 import warnings
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -186,7 +185,7 @@ def train_step(model, images, labels, optimizer, plan, with_aux, args) -> None:
     optimizer.zero_grad(set_to_none=True)
     micro_batches = list(zip(images.split(plan.micro_batch), labels.split(plan.micro_batch)))
     for i, (x, y) in enumerate(micro_batches):
-        with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
+        with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
             logits, aux = model(x, with_aux=with_aux)
             (loss_of(logits, aux, y) * len(y) / len(labels)).backward()
         if args.bug == "clip":
