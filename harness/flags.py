@@ -275,7 +275,7 @@ def parser(doc: str, script: str) -> Parser:
 PLAIN_PARSER = common.parser  # (harness/__init__.py puts parser() in its place)
 
 
-# The checked type of each flag a step may leave plain (common.parser's, and 02b's and 03's):
+# The checked type of each flag a step may leave plain (common.parser's, 02b's, 03's, 11's):
 # Parser.parse_args puts it in place of the plain int, float or Path before parsing.
 CHECKED = {
     "--train-samples": integer(1, SAMPLES_LIMIT, "--train-samples"),
@@ -295,4 +295,6 @@ CHECKED = {
     "--bucket-cap-mb": positive_float("--bucket-cap-mb"),
     "--max-mb": integer(1, 4096, "--max-mb"),  # 01's
     "--stop-at-loss": positive_float("--stop-at-loss"),  # 10's
+    "--steps": integer(2, 1000, "--steps"),  # 11's: 2 at least, for a step with the aux head
+    "--max-norm": positive_float("--max-norm"),  # 11's
 }

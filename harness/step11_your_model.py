@@ -1,34 +1,39 @@
-"""What step 11 needs to prove its fixes: one process trained beside the DDP model as the
-yardstick, tensors gathered from every rank and compared, and the lines the step prints.
+"""Step 11's one-process replay: what proves its fixes in the repository.
 
-Step 11 first needs it. Rank 0 keeps a copy of the model and trains it the way one process
-would: on the global batch (every rank's micro-batches, gathered in rank order), with plain
-BatchNorm over all of it and the gradient clipped once. After each step the DDP model's outputs,
-gradients, BatchNorm running statistics and weights are compared with the copy's; the
-largest difference of each kind is what the step reports. Nothing here is a lesson: the
-mistakes and their fixes are all in 11_your_model.py.
+Rank 0 keeps a copy of the model and trains it the way one process would: on the global batch
+(every rank's micro-batches, gathered in rank order), with plain BatchNorm over all of it and
+the gradient clipped once. After each step the DDP model's outputs, gradients, BatchNorm running
+statistics and weights are compared with the copy's; the largest difference of each kind is what
+the step reports (step11_diagnosis.py prints it). The mistakes and their fixes are all in
+11_your_model.py, which runs copied out without this module; in the repository `take_in(step)`
+(twins.py) wraps its functions:
+
+- parse_flags: the --out-dir is checked for room first (a full disk is one line before any work);
+  DEFAULTS draws the built-in synthetic digits (offline, in seconds; a copy reads MNIST);
+- training_loader: the loader also yields each sample's index (which samples each rank drew);
+- synchronise_batchnorm: the one-process copy is taken first, with plain BatchNorm;
+- train_step: its outputs (a forward hook) and the gradients the optimizer applies (a step
+  pre-hook) are compared with the copy's step on the gathered batch;
+- train_step, save_and_reload: torch's error from a planted mistake is quoted, then a
+  "diagnosis:" line, and every rank exits 4 (EXIT_MISTAKE);
+- save_model: written atomically, a failure one line; show_result: the checks, then the
+  diagnosis (exit 4), or "all fixes hold" (a fix that did not: exit 1).
+A stop signal (SIGTERM) ends 11 at once, in one line: it has nothing to checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
-import re
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from .checkpoint import check_room  # noqa: F401 -- the step calls it
-from .checkpoint import write_atomically, write_failure
-from .errors import UserError, stop_signals_end_now  # noqa: F401 -- the step calls it
-
-# N ranks vs one process over the same global batch, float32 on the CPU: the same sums in
-# another order (the all-reduced BatchNorm statistics, DDP's averaged gradients). Measured on
-# torch 2.15.0, 4 steps, 2 and 3 ranks: 3.0e-7 at most on this project's VM, 6.0e-7 on another
-# CPU (see docs/your-model.md); the planted batchnorm and clip mistakes differ by 1e-3 or more.
-TOLERANCE = 1e-5
-CHECKS = ("outputs", "gradients", "running statistics", "weights")
+from .checkpoint import check_room
+from .errors import stop_signals_end_now
+from .ranks import all_ranks_agree, log
+from .step11_diagnosis import CHECKS, EXIT_MISTAKE, RAISES, explain, report, save_atomically
 
 
 class WithIndex(Dataset):
@@ -131,109 +136,92 @@ def overlap(indices: torch.Tensor, run) -> dict:
             "distinct": len(torch.cat(everyone).unique())}
 
 
-def save_atomically(state: dict, path) -> None:
-    """torch.save to a temporary file, then a rename: a reader never sees half a file."""
-    write_in_one_line(path, lambda f: torch.save(state, f))
+# ---------------------------------------------------------------- the twins of 11's functions
+TWINS = ("parse_flags", "training_loader", "synchronise_batchnorm", "train_step",
+         "save_and_reload", "save_model", "show_result")
 
 
-def write_in_one_line(path, write) -> None:
-    """write_atomically, and a failure (a full disk: OSError, or torch.save's RuntimeError) as
-    one line: the file is whole or as it was."""
-    try:
-        write_atomically(path, write)
-    except (OSError, RuntimeError) as err:
-        raise UserError(f"could not write {path}: {write_failure(err, path)}") from None
+def take_in(step: dict) -> None:
+    """Wrap 11's functions (this module's docstring says how and why)."""
+    stop_signals_end_now()  # from the main thread, before main() runs
+    step["DEFAULTS"] = {**step["DEFAULTS"], "data": "synthetic"}
+    replay = Replay(step)
+    for name in TWINS:
+        step[name] = getattr(replay, name)
 
 
-def explain(err: BaseException, bug: str) -> str:
-    """torch's message as it prints it (indented, without a C++ source location), then the
-    diagnosis line for the planted mistake that raised it."""
-    text = re.sub(r"^\[[^\]]*\.cpp:\d+\] ", "", str(err).strip())
-    message = "\n".join("    " + line.rstrip() for line in text.splitlines() if line.strip())
-    return message + "\ndiagnosis: " + {
-        "unused": f"DDP still waited for the gradients of {unused_names(err)} (the auxiliary "
-                  f"head, unused in the step before) when the next forward began: pass "
-                  f"find_unused_parameters=True, or static_graph=True when the same "
-                  f"parameters are unused in every step",
-        "checkpointing": f"reentrant checkpointing hid the block from DDP's search for unused "
-                         f"parameters, so {ready_twice(err)} was marked ready twice: "
-                         f"checkpoint(..., use_reentrant=False)",
-        "save": "the file holds the DDP wrapper's state dict, whose keys start with "
-                "'module.': save model.module.state_dict() and load it with weights_only=True",
-    }[bug]
+class Drawn:
+    """The step's loader over WithIndex(dataset): yields (images, labels), keeps the indices."""
+
+    def __init__(self, loader):
+        self.loader, self.seen = loader, []
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for images, labels, indices in self.loader:
+            self.seen.append(indices)
+            yield images, labels
 
 
-def unused_names(err: BaseException) -> str:
-    """The parameters DDP names under TORCH_DISTRIBUTED_DEBUG=INFO (or DETAIL), else their
-    indices (all DDP says at the default, OFF)."""
-    names = re.search(r"Parameters which did not receive grad for rank \d+: (.+)", str(err))
-    if names:
-        return names[1].strip()
-    indices = re.search(r"Parameter indices which did not receive grad for rank \d+: (.+)",
-                        str(err))
-    return f"parameter indices {indices[1].strip()}" if indices else "some parameters"
+class Replay:
+    """One run of 11: its plain functions, and what the twins learn on the way."""
 
+    def __init__(self, step: dict):
+        self.step, self.plain = step, {name: step[name] for name in TWINS}
 
-def ready_twice(err: BaseException) -> str:
-    """The parameter DDP saw marked ready twice (torch 2.15 names it even at OFF)."""
-    found = re.search(r"with name (\S+) has been marked as ready twice", str(err))
-    return found[1] if found else "a parameter"
+    def parse_flags(self):
+        args = self.plain["parse_flags"]()
+        check_room(args.out_dir)  # where the model goes: a full disk is one line now
+        return args
 
+    def training_loader(self, train_set, run, args, plan):
+        self.run, self.args = run, args
+        self.loader = Drawn(self.plain["training_loader"](WithIndex(train_set), run, args, plan))
+        return self.loader
 
-def write_checks(path, results: dict) -> None:
-    """The measured numbers, for the tests and for docs/your-model.md."""
-    write_in_one_line(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
+    def synchronise_batchnorm(self, model, run, args):
+        self.one_process = OneProcess(model, self.step["loss_of"], args.lr, args.max_norm, run)
+        return self.plain["synchronise_batchnorm"](model, run, args)
 
+    def train_step(self, model, images, labels, optimizer, plan, with_aux, args) -> None:
+        outputs, grads = [], []
+        hooks = [model.register_forward_hook(lambda m, i, out: outputs.append(out[0].detach())),
+                 optimizer.register_step_pre_hook(
+                     lambda *_: grads.append(gradients(model.module)))]
+        try:
+            with self.planted():
+                self.plain["train_step"](model, images, labels, optimizer, plan, with_aux, args)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        micro_batches = list(zip(images.split(plan.micro_batch), labels.split(plan.micro_batch)))
+        self.one_process.compare(model.module, micro_batches, outputs, grads[0], with_aux)
 
-def report(one_process, sampled, reloaded, run, args) -> bool:
-    """Rank 0: each check's measured number, then the diagnosis; True if any check failed."""
-    found, n = one_process.found, run.world_size
-    for kind in CHECKS:
-        print(f"check {kind}: {n} ranks vs one process over the global batch, {args.steps} "
-              f"steps: largest difference {found[kind]:.3g} (tolerance {TOLERANCE:g})")
-    print(f"check running statistics between ranks: largest difference "
-          f"{found['between ranks']:.3g}")
-    print(f"check samples: each rank drew {sampled['per_rank']}; {sampled['shared_by_rank_0']} "
-          f"of rank 0's were drawn by another rank too; {sampled['distinct']} distinct of "
-          f"{sampled['per_rank'] * n}")
-    print(f"check save: the reloaded plain model's outputs differ by {reloaded:g}")
-    unequal = [kind for kind in CHECKS if not found[kind] <= TOLERANCE]
-    overlapping = sampled["shared_by_rank_0"] > 0
-    write_checks(args.out_dir / "checks.json", {
-        "bug": args.bug, "world_size": n, "steps": args.steps, **found,
-        "norms": one_process.norms, **sampled, "reloaded": reloaded, "unequal": unequal})
-    norms = ", ".join(f"{x:.2f}" for x in one_process.norms)
-    if args.bug in ("batchnorm", "clip") and not unequal:  # the measurement decides, not --bug
-        print(f"diagnosis: none measured: --bug {args.bug} is planted, yet {n} ranks equal one "
-              f"process within {TOLERANCE:g} (gradients {found['gradients']:.3g}, weights "
-              f"{found['weights']:.3g})" + (
-                  f": clipping never bit (global norms {norms}, --max-norm "
-                  f"{args.max_norm:g}); a lower --max-norm shows the mistake"
-                  if args.bug == "clip" else ""))
-        return False
-    if args.bug == "sampler":
-        print(f"diagnosis: no DistributedSampler: {sampled['shared_by_rank_0']} of the "
-              f"{sampled['per_rank']} samples rank 0 drew were drawn by the other ranks too "
-              f"(all {n} ranks trained on {sampled['distinct']} distinct samples, not "
-              f"{sampled['per_rank'] * n}): give the loader a DistributedSampler")
-    elif args.bug == "batchnorm":
-        print(f"diagnosis: per-rank BatchNorm: outputs differ from one process by "
-              f"{found['outputs']:.3g}, gradients by {found['gradients']:.3g}, running "
-              f"statistics by {found['running statistics']:.3g} (rank against rank "
-              f"{found['between ranks']:.3g}): nn.SyncBatchNorm.convert_sync_batchnorm on "
-              f"GPUs, all-reduced statistics (AllReducedBatchNorm2d) on the CPU")
-    elif args.bug == "clip":
-        print(f"diagnosis: clipping inside the micro-batch loop: gradients differ from one "
-              f"process's clipped step by {found['gradients']:.3g}, weights by "
-              f"{found['weights']:.3g} (global norms {norms}, clipped to "
-              f"{args.max_norm:g}): clip once, after the last backward")
-    else:
-        if unequal or overlapping or reloaded != 0:
-            print(f"error: a fix did not hold: {', '.join(unequal) or 'samples or save'}")
-            return True
-        print(f"all fixes hold: {n} ranks equal one process over the global batch within "
-              f"{TOLERANCE:g} (outputs, gradients, running statistics, weights; "
-              f"global norms {norms}, clipped to {args.max_norm:g}); the ranks' samples are "
-              f"disjoint; the saved model reloads bit for bit")
-        return False
-    return True
+    def save_and_reload(self, *args) -> float:
+        with self.planted():
+            return self.plain["save_and_reload"](*args)
+
+    def save_model(self, state: dict, path) -> None:
+        save_atomically(state, path)
+
+    @contextlib.contextmanager
+    def planted(self):
+        """torch's error from the planted mistake: quoted, diagnosed, exit 4 on every rank."""
+        try:
+            yield
+        except RuntimeError as err:
+            bug = self.args.bug
+            if bug not in RAISES or RAISES[bug] not in str(err):
+                raise  # not the planted error: run_main explains it, or shows its traceback
+            log(self.run, f"[torch] rank {self.run.rank} raised:\n{explain(err, bug)}")
+            dist.barrier()  # no rank leaves (and torchrun stops the rest) before rank 0 printed
+            raise SystemExit(EXIT_MISTAKE) from None
+
+    def show_result(self, raw_model, test_images, test_labels, reloaded, run, args) -> None:
+        self.plain["show_result"](raw_model, test_images, test_labels, reloaded, run, args)
+        sampled = overlap(torch.cat(self.loader.seen), run)
+        failed = report(self.one_process, sampled, reloaded, run, args) if run.is_main else False
+        if all_ranks_agree(run, failed, any_rank=True):  # every rank exits alike
+            raise SystemExit(EXIT_MISTAKE if args.bug else 1)

@@ -2,11 +2,12 @@
 where torch raises one, and all fixes together make N ranks equal one process over the global
 batch: forward outputs, clipped gradients, BatchNorm running statistics and weights.
 
-Real torchrun processes, each launched once (module fixture): all fixes in one launch on 2 and
-on 3 ranks; every bug on 2 ranks; the silent ones, whose numbers depend on the world size
-(samples drawn N times, N ranks' BatchNorm statistics, N ranks' clipping), on 3 ranks too. The
-raising ones fail the same way on any world size: each rank raises on its own, before its
-next collective.
+Real torchrun processes, each launched once (module fixture): all fixes in one launch on 2 (from
+MNIST's files, as a copied 11 reads them) and on 3 ranks; every bug on 2 ranks; the silent ones,
+whose numbers depend on the world size (samples drawn N times, N ranks' BatchNorm statistics, N
+ranks' clipping), on 3 ranks too. The raising ones fail the same way on any world size: each
+rank raises on its own, before its next collective. Copied out with common.py, 11 runs without
+harness/: a planted bug ends in torch's own error, and --fix trains as in the repository.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, assert_no_traceback, run_step
-from harness import data
+
+import common
+from conftest import REPO, assert_no_traceback, copy_out, launch, run_step, torchrun_cmd
 
 BUGS = ["sampler", "unused", "batchnorm", "clip", "checkpointing", "save"]
 RUNS = [("fix", 2), ("fix", 3), *[(bug, 2) for bug in BUGS],
@@ -35,17 +37,24 @@ WRONG = 1e-3
 DEFAULT_PER_RANK = 16 * 4  # --batch-per-rank 16 x --steps 4: the samples each rank draws
 
 
+COPY_GUARD_SECONDS = 120  # issue 44: a copied 11 plants its bug and ends within two minutes
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(the finished process, its checks.json or None) per (bug or "fix", world size)."""
+def runs(tmp_path_factory, mnist_root):
+    """(the finished process, its checks.json or None) per (bug or "fix", world size); its
+    --out-dir per (bug or "fix", world size, "out")."""
     result = {}
     for name, nproc in RUNS:
         out = tmp_path_factory.mktemp(f"{name}{nproc}")
         args = FLAGS.get(name, ["--bug", name])
+        if (name, nproc) == ("fix", 2):  # as a copied 11 trains: it has no synthetic digits
+            args = [*args, "--data", "mnist", "--data-dir", mnist_root]
         proc = run_step("11_your_model.py", [*args, "--out-dir", out], nproc=nproc,
                         check=False, timeout=HANG_GUARD_SECONDS)
         checks = out / "checks.json"
         result[name, nproc] = proc, json.loads(checks.read_text()) if checks.exists() else None
+        result[name, nproc, "out"] = out
     return result
 
 
@@ -156,7 +165,7 @@ def test_bad_input_is_one_line_before_any_work(arguments, expected, tmp_path, mo
         raise AssertionError(f"{arguments} got past the checks")
 
     monkeypatch.setattr(torch.distributed, "init_process_group", no_work)
-    monkeypatch.setattr(data, "load_datasets", no_work)
+    monkeypatch.setattr(common, "load_datasets", no_work)
     monkeypatch.setattr(sys, "argv", ["11_your_model.py", *arguments, "--out-dir", str(tmp_path)])
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -165,3 +174,34 @@ def test_bad_input_is_one_line_before_any_work(arguments, expected, tmp_path, mo
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+def result_line(proc) -> str:
+    """The step's own line on the trained model (printed with or without the harness)."""
+    return next(line for line in proc.stdout.splitlines() if line.startswith("after "))
+
+
+def test_a_copied_11_plants_its_bug_and_its_fix_trains_as_in_the_repository(runs, mnist_root,
+                                                                             tmp_path):
+    """11 and common.py in an empty folder, on 2 ranks without harness/ (no one-process replay,
+    no diagnosis): --bug unused ends within two minutes in torch's own error, and --fix exits 0
+    with the repository's result line and the model it saved, bit for bit."""
+    folder = tmp_path / "copied"
+    copy_out(["11_your_model.py"], folder)
+    data = ["--data", "mnist", "--data-dir", mnist_root]
+    bug = launch(torchrun_cmd(2, "11_your_model.py", "--bug", "unused", *data, "--out-dir",
+                              tmp_path / "unused"), cwd=folder, check=False,
+                 timeout=COPY_GUARD_SECONDS)
+    assert bug.returncode != 0
+    assert "RuntimeError: Expected to have finished reduction in the prior iteration" in \
+        bug.stderr, bug.stderr[-3000:]
+    assert "diagnosis:" not in bug.stdout and "check outputs" not in bug.stdout
+    fixed = launch(torchrun_cmd(2, "11_your_model.py", "--fix", *data, "--out-dir",
+                                tmp_path / "fix"), cwd=folder, timeout=COPY_GUARD_SECONDS)
+    assert "all fixes hold" not in fixed.stdout  # (the harness's check)
+    repository = runs["fix", 2][0]
+    assert result_line(fixed) == result_line(repository), fixed.stdout[-2000:]
+    saved = [torch.load(out / "your_model.pt", weights_only=True)
+             for out in (tmp_path / "fix", runs["fix", 2, "out"])]
+    assert saved[0].keys() == saved[1].keys()
+    assert all(torch.equal(saved[0][key], saved[1][key]) for key in saved[0])
