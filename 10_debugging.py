@@ -237,8 +237,7 @@ def sized_for(args, n: int) -> None:
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
-    # (torch.__version__ compares as a version: "2.10" is newer than "2.8")
-    if torch.__version__ < "2.8":  # gloo's Flight Recorder and its dump came in torch 2.8
+    if torch.__version__ < "2.8":  # (a version, not text: 2.10 > 2.8) gloo's Flight Recorder
         raise common.UserError(f"10_debugging.py needs torch >= 2.8 (the Flight Recorder's dump "
                                f"on gloo); this is torch {torch.__version__}")
     parser = common.parser(__doc__, __file__)
