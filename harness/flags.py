@@ -294,4 +294,5 @@ CHECKED = {
     "--resume": existing_path,
     "--bucket-cap-mb": positive_float("--bucket-cap-mb"),
     "--max-mb": integer(1, 4096, "--max-mb"),  # 01's
+    "--h5-chunk": integer(1, what="--h5-chunk"),  # 06's
 }
