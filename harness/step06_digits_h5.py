@@ -6,7 +6,7 @@ interrupted `prepare` leaves no half file and no reader ever sees one.
 
 Step 06 writes out plain versions of these functions (a copied 06 writes and reads its file with
 h5py alone). In the repository, take_in(step) replaces them by the checked twins below, which
-write and read the same bytes:
+write the same samples in the same chunks and read the same rows:
 - prepare_if_missing: all ranks agree whether the file is there, a place that cannot be written
   is one line before converting, a full disk is one line and leaves no temporary file (write);
 - open_h5: open_checked, the file's shapes, types, links and stored sizes checked before any
