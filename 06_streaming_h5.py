@@ -7,15 +7,13 @@ Three rules (open it in each worker, read whole chunks, shuffle twice): docs/ste
 Run it:
     python 06_streaming_h5.py prepare --data mnist               # only write data/mnist.h5
     torchrun --standalone --nproc-per-node 2 06_streaming_h5.py  # prepares the file if missing
-On NFS or Lustre, export HDF5_USE_FILE_LOCKING=FALSE: reading needs no locks, and theirs may fail.
 
 Look for: "<file>: N training samples (streamed, in chunks of C)", then step 05's accuracy.
-
-Read also: harness/step06_digits_h5.py (prepare_if_missing, open_checked, stream_ranges,
-read_rows), common.py (setup_distributed).
 """
 
-import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
+import contextlib
+# The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
+with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
 import argparse
 import os
 from contextlib import nullcontext
@@ -30,8 +28,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import IterableDataset, Subset, get_worker_info
 
 import common
-from harness import checkpoint, data, flags, metrics, step06_digits_h5 as digits_h5
-from harness.model import build_model
 
 
 def use_srun_identity():
@@ -78,11 +74,10 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
 
 
 def evaluate(model, loader, run):
-    """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
-    correct answers, samples), then the sums are added up over all ranks."""
-    sums = metrics.test_sums(model, loader, run)
+    """Loss and accuracy over the whole test set: each rank's sums, added over all ranks."""
+    sums = common.test_sums(model, loader, run)
     dist.all_reduce(sums)
-    return metrics.test_results(sums)
+    return common.test_results(sums)
 
 
 def report_topology(run):
@@ -103,11 +98,9 @@ def report_topology(run):
     return len({node for node, *_ in everyone})
 
 
-# The chunk size trades read size against shuffling. A chunk is the unit HDF5 reads (and checks):
-# bigger chunks mean fewer, larger reads (network filesystems like ~1 MB), but the samples of one
-# chunk always land in the same few batches, and each worker holds BUFFER_CHUNKS of them in memory.
-# 1024 MNIST images are 0.8 MB.
-BUFFER_CHUNKS = 4
+# A chunk is the unit HDF5 reads: bigger chunks, fewer and larger reads (network filesystems
+# like ~1 MB; 1024 MNIST images are 0.8 MB), but a chunk's samples land in the same few batches.
+BUFFER_CHUNKS = 4  # chunks each worker holds in memory and shuffles together
 
 
 class StreamingDigits(IterableDataset):
@@ -116,18 +109,13 @@ class StreamingDigits(IterableDataset):
     def __init__(self, path, count, chunk, batch_size, rank, world_size, seed):
         self.path, self.count, self.chunk, self.batch_size = path, count, chunk, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        # Every rank must run the same number of steps, or the all-reduce waits forever for a
-        # rank that stopped early. Policy: drop the remainder (fewer than world_size x batch
-        # samples), a different one each epoch as the chunk order changes. Padding with repeats,
-        # as DistributedSampler does, would count some samples twice and add scattered reads.
+        # Every rank must run the same number of steps, or the all-reduce waits forever: drop
+        # the remainder (< world_size x batch samples), another one each epoch as chunks move.
         self.steps = count // (world_size * batch_size)
         if self.steps == 0:
             raise common.UserError(f"{count} training samples do not fill one global batch of "
                                    f"{world_size * batch_size}")
-        # Each DataLoader worker holds its own copy of this object. make_loader's workers are
-        # started anew each epoch, after set_epoch(), so a plain int would reach them; in
-        # shared memory it stays right with persistent_workers=True too, where a worker's
-        # copy is made once and set_epoch() must write where it can still be read.
+        # In shared memory: set_epoch() reaches each worker's copy, even a persistent worker's.
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def set_epoch(self, epoch):
@@ -146,8 +134,8 @@ class StreamingDigits(IterableDataset):
         worker_id, workers = (worker.id, worker.num_workers) if worker else (0, 1)
         first = self.rank * self.steps + worker_id * self.steps // workers
         last = self.rank * self.steps + (worker_id + 1) * self.steps // workers
-        mine = digits_h5.stream_ranges(starts, self.chunk, self.count,
-                                       first * self.batch_size, last * self.batch_size)
+        mine = stream_ranges(starts, self.chunk, self.count,
+                             first * self.batch_size, last * self.batch_size)
         # 3. Read a few chunks, shuffle what is buffered, yield whole batches, keep the rest.
         rng = np.random.default_rng([self.seed, epoch, first])
         images, labels = np.empty((0, 28, 28), np.uint8), np.empty(0, np.int64)
@@ -160,18 +148,70 @@ class StreamingDigits(IterableDataset):
                 ready = len(labels) // self.batch_size * self.batch_size
                 for k in range(0, ready, self.batch_size):
                     batch = shuffled[k:k + self.batch_size]
-                    yield (data.normalize(torch.from_numpy(images[batch])).unsqueeze(1),
+                    pixels = torch.from_numpy(images[batch]).float() / 255
+                    yield (((pixels - common.MNIST_MEAN) / common.MNIST_STD).unsqueeze(1),
                            torch.from_numpy(labels[batch]))
                 images, labels = images[shuffled[ready:]], labels[shuffled[ready:]]
 
     def read(self, f, ranges):
-        return digits_h5.read_rows(self.path, f, ranges)  # one sequential read per range
+        return read_rows(self.path, f, ranges)  # one sequential read per range
+
+
+def stream_ranges(starts, chunk, count, first, last):
+    """The rows at positions first .. last-1 of the stream that the chunks starting at `starts`
+    (in that order) form, as (a, b) row ranges: whole chunks, except at the two ends."""
+    ranges, position = [], 0
+    for start in starts:
+        end = min(start + chunk, count)
+        a, b = max(start, start + first - position), min(end, start + last - position)
+        if a < b:
+            ranges.append((a, b))
+        position += end - start
+    return ranges
+
+
+def read_rows(path, f, ranges):  # (the repository's twin names a damaged chunk)
+    images = np.concatenate([f["train/images"][a:b] for a, b in ranges])
+    labels = np.concatenate([f["train/labels"][a:b] for a, b in ranges])
+    return images, labels.astype(np.int64)
+
+
+def prepare_if_missing(args, run):
+    """Write args.h5 from the digits when it is missing: rank 0 writes, the others wait (on a
+    filesystem all ranks share). Both sets as uint8, in chunks with a checksum each."""
+    if not args.h5.is_file():
+        train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
+        if run.is_main:  # under a temporary name, renamed when complete: never half a file
+            args.h5.parent.mkdir(parents=True, exist_ok=True)
+            common.save_atomically(args.h5, lambda temporary: write_h5(
+                temporary, train_set, test_set, args.h5_chunk, args.h5_compression))
+    dist.barrier()
+
+
+def write_h5(path, train_set, test_set, chunk, compression):  # fletcher32: a checksum
+    with h5py.File(path, "w") as f:
+        for name, digits in [("train", train_set), ("test", test_set)]:
+            group, rows = f.create_group(name), min(chunk, len(digits))
+            group.attrs.update(count=len(digits), shape=(28, 28))
+            group.create_dataset("images", data=digits.images.numpy(), chunks=(rows, 28, 28),
+                                 compression=compression, fletcher32=True)
+            group.create_dataset("labels", data=digits.labels.numpy(), chunks=(rows,),
+                                 compression=compression, fletcher32=True)
+
+
+def open_h5(args):
+    """What is small: (training samples to use, the chunk size, the test set in memory)."""
+    with h5py.File(args.h5, "r") as f:
+        train_count = args.train_samples or len(f["train/labels"])
+        test_set = common.Digits(torch.from_numpy(f["test/images"][:args.test_samples]),
+                                 torch.from_numpy(f["test/labels"][:args.test_samples]).long())
+        return train_count, f["train/images"].chunks[0], test_set
 
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
-    parser = flags.parser(__doc__, __file__)
-    parser.add_argument("--bucket-cap-mb", type=flags.positive_float("--bucket-cap-mb"),
+    parser = common.parser(__doc__, __file__)
+    parser.add_argument("--bucket-cap-mb", type=float,
                         metavar="MB", help="DDP's bucket size (default: 1 MiB for the first "
                         "bucket, 25 MiB for the others; a value sets all of them)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
@@ -181,8 +221,8 @@ def main():
                         help="prepare: only write the HDF5 file (train prepares it if missing)")
     parser.add_argument("--h5", type=Path, metavar="PATH",
                         help="the HDF5 file (default: <data-dir>/mnist.h5)")
-    parser.add_argument("--h5-chunk", type=flags.integer(1, what="--h5-chunk"), default=1024,
-                        metavar="N", help="samples per chunk (prepare)")
+    parser.add_argument("--h5-chunk", type=int, default=1024, metavar="N",
+                        help="samples per chunk (prepare)")
     parser.add_argument("--h5-compression", choices=["gzip", "lzf"],
                         help="compress chunks (prepare; default: none)")
     parser.set_defaults(num_workers=2)  # workers read the file while the model trains
@@ -191,10 +231,8 @@ def main():
     use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
     run = common.setup_distributed(args)  # step 02's setup(), now shared
     nodes = report_topology(run)
-    digits_h5.prepare_if_missing(args, run)  # rank 0 writes it from MNIST (or synthetic)
-    # `prepare` reads every chunk once to verify it; training checks the file's shape and end.
-    train_count, chunk, test_set = digits_h5.open_checked(
-        args.h5, args.train_samples, args.test_samples, verify_all=args.command == "prepare")
+    prepare_if_missing(args, run)  # rank 0 writes it from the digits
+    train_count, chunk, test_set = open_h5(args)  # (the harness checks the file first)
     common.log(run, f"{args.h5}: {train_count} training samples (streamed, in chunks of {chunk}), "
                     f"{len(test_set)} test samples (in memory)")
     if args.command == "prepare":
@@ -204,16 +242,14 @@ def main():
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
     train_set = StreamingDigits(args.h5, train_count, chunk, plan.per_rank, run.rank,
                                 run.world_size, args.seed)
-    # batch_size=None: the dataset yields whole batches itself.
-    train_loader = data.make_loader(train_set, None, run, args)
+    train_loader = common.make_loader(train_set, None, run, args)  # None: it yields batches
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    # In memory: no worker processes (--num-workers is for the stream). Forking them right
-    # after the training loader's workers ended hung a forked child 1 run in 8 (2 CPUs).
-    test_loader = data.make_loader(test_shard, 1000, run, args, num_workers=0)
+    # In memory, no workers: forking them just after the stream's had ended hung 1 run in 8.
+    test_loader = common.make_loader(test_shard, 1000, run, args, num_workers=0)
 
-    raw_model = build_model(args, seed=args.seed + run.rank).to(run.device)
+    raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
     # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
     # (see the top); evaluation and checkpoints keep using the plain raw_model.
@@ -224,11 +260,11 @@ def main():
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     start_epoch = 0
     if args.resume:
-        start_epoch = checkpoint.restore(args.resume, run, raw_model, optimizer,
-                                         scheduler)["epoch"]
+        start_epoch = common.restore_checkpoint(args.resume, run, raw_model, optimizer,
+                                                scheduler)["epoch"]
 
-    results, test = metrics.Metrics(run, args), None
-    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
+    results, test = common.Metrics(run, args), None
+    with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
             # Shuffling and dropout draw from these numbers alone, so a run resumed at this
             # epoch draws exactly what an uninterrupted run drew.
@@ -247,8 +283,8 @@ def main():
             if epoch == start_epoch:
                 common.log(run, common.describe_buckets(model))  # as in 03
             if run.is_main:  # all ranks hold the same weights: one writer is enough
-                checkpoint.save(args.out_dir / "checkpoint.pt", raw_model, optimizer,
-                                scheduler, epoch + 1)
+                common.save_checkpoint(args.out_dir / "checkpoint.pt", raw_model, optimizer,
+                                       scheduler, epoch + 1)
             dist.barrier()  # no rank may read the checkpoint before it is complete
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(raw_model, test_loader, run)

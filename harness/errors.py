@@ -1,23 +1,18 @@
 """Errors a user can act on: one line and a non-zero exit, never a traceback, never a hang.
 
 Step 00 first needs it (every step ends with `common.run_main(main)`, which is this run_main).
+The one line itself and what peers left in the group's store: peers.py; signals: watchdog.py.
 """
 
 from __future__ import annotations
 
-import datetime
 import gc
-import hashlib
 import json
 import multiprocessing
 import os
 import re
-import select
 import signal
-import socket
 import sys
-import tempfile
-import threading
 import time
 
 import torch.distributed as dist
@@ -25,346 +20,15 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
 
 from . import twins
-
-# The signals a launcher sends to end a job: SLURM sends SIGTERM before it preempts a job or at
-# the time limit (and USR1/USR2 with --signal), torchrun forwards SIGTERM, SIGINT, SIGHUP and
-# SIGQUIT by default, any of them with --signals-to-handle. Step 07 turns all but SIGINT into a
-# checkpoint and a stop (step07_fault_tolerance.StopRequest); SIGINT (Ctrl-C) ends a run at once.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-
+# The signal watchdog and the one-line reports live in their own modules; their names are
+# imported here too, where the rest of the harness and the tests have always found them.
+from .peers import (STORE_PREFIX, PeerFailure, failed_peers, launcher_rank,  # noqa: F401
+                    launcher_world_size, leave_message, remember_store, report, this_launch)
+from .watchdog import (GRACE_S, STOP_SIGNALS, Interrupted, exit_at_once, interrupt,  # noqa: F401
+                       say_interrupted, say_peer_failure, signals_end_the_process,
+                       stop_signals_end_now, stopped_by, watch_signals)
 
 from common import UserError  # noqa: E402 -- one class: the plain run_main and this one catch it
-
-
-class Interrupted(BaseException):
-    """A signal that ends the process now, without a checkpoint (like KeyboardInterrupt, not an
-    Exception: no `except Exception` on the way may swallow it). Raise it through interrupt().
-    Both values are its args, which pickle rebuilds it from: DCP sends an exception raised on
-    one rank to every rank."""
-
-    def __init__(self, signum: int, why: str):
-        super().__init__(signum, why)
-        self.signum, self.why = signum, why
-
-    def __str__(self) -> str:
-        return self.why
-
-
-class PeerFailure(Exception):
-    """Another rank failed or never came: one line, exit 3, printed by the rank that waited."""
-
-
-# The process group's key-value store, once this rank joined (ranks.join_group): a rank that
-# fails leaves its message there, and a rank that then loses it can say who failed and why.
-# The signal watchdog reads it through a connection of its own (a clone): the main thread may
-# be blocked in a wait on the first one, and its timeout is the main thread's to set.
-_group_store = None
-_watch_store = None
-STORE_PREFIX = "ddp-tutorial"
-
-
-def remember_store(store) -> None:
-    global _group_store, _watch_store
-    _group_store = store
-    try:
-        _watch_store = store.clone()
-        _watch_store.set_timeout(datetime.timedelta(seconds=2))
-    except Exception:  # noqa: BLE001 -- no second connection: the watchdog does without
-        _watch_store = None
-
-
-def leave_message(message: str) -> None:
-    """Leave this rank's error in the group's store, for the ranks that will wait for it."""
-    if _group_store is None:
-        return
-    try:
-        _group_store.set(f"{STORE_PREFIX}/failed/{launcher_rank()}",
-                         f"{message} (on {socket.gethostname()})")
-    except Exception:  # noqa: BLE001 -- the store died with its host: nothing to leave
-        pass
-
-
-def failed_peers(store=None) -> list[str]:
-    """`rank R: <its error>` for each other rank that left one in the store (see leave_message).
-    From the main thread (the group's store, given 5 s), or the watchdog (its own, 2 s)."""
-    mine = store is None
-    store = _group_store if mine else store
-    if store is None:
-        return []
-    found = []
-    try:
-        if mine:
-            store.set_timeout(datetime.timedelta(seconds=5))
-        for rank in range(launcher_world_size()):
-            key = f"{STORE_PREFIX}/failed/{rank}"
-            if rank != launcher_rank() and store.check([key]):
-                found.append(f"rank {rank}: {store.get(key).decode()}")
-    except Exception:  # noqa: BLE001 -- the store's host (rank 0 or the agent) is gone
-        pass
-    return found
-
-
-def launcher_rank() -> int:
-    """This process's rank as its launcher set it (0 under plain python, or when it is not a
-    number: flags.check_launcher_variables reports that, through report(), which calls this)."""
-    return _launcher_number(("RANK", "SLURM_PROCID"), 0)
-
-
-def launcher_world_size() -> int:
-    return _launcher_number(("WORLD_SIZE", "SLURM_STEP_NUM_TASKS"), 1)
-
-
-def _launcher_number(names: tuple, default: int) -> int:
-    text = next((os.environ[name] for name in names if name in os.environ), str(default))
-    try:
-        return int(text)
-    except ValueError:
-        return default
-
-
-def report(message: str, every_rank: bool = False) -> None:
-    """Print `error: <message>` on stderr, from whichever rank met it.
-
-    In a world of one, just the line. With several ranks, each rank prints its own error with its
-    rank and host: a path missing on node 1 only is then explained on node 1. The same message
-    from several ranks of one launch is printed once per machine (the first rank to claim it, by
-    creating a marker file in the machine's temporary folder): N ranks meeting the same bad flag
-    print one line, not N. A line about this rank's own state (every_rank) is printed by each.
-    """
-    if launcher_world_size() > 1:
-        if not every_rank and not _first_to_say(message):
-            return
-        message = f"{message} (rank {launcher_rank()} on {socket.gethostname()})"
-    print(f"error: {message}", file=sys.stderr, flush=True)
-
-
-def _first_to_say(message: str) -> bool:
-    """True for the first process of this launch on this machine to report `message`."""
-    key = hashlib.sha1(f"{this_launch()}|{message}".encode()).hexdigest()[:20]
-    try:
-        folder = _private_marker_folder()
-    except OSError:
-        return True  # no private folder (another user's, or a link): rather twice than never
-    try:
-        for old in os.scandir(folder):  # markers of launches long gone (only names we make)
-            if (_MARKER_NAME.fullmatch(old.name) and old.is_file(follow_symlinks=False)
-                    and old.stat(follow_symlinks=False).st_mtime < time.time() - 86400):
-                os.unlink(old.name, dir_fd=folder)
-        os.close(os.open(key, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600,
-                         dir_fd=folder))
-    except FileExistsError:
-        return False
-    except OSError:
-        pass  # no marker possible: rather twice than never
-    finally:
-        os.close(folder)
-    return True
-
-
-_MARKER_NAME = re.compile(r"[0-9a-f]{20}")
-
-
-def _private_marker_folder() -> int:
-    """A descriptor of this user's marker folder in the temporary folder, made private (0700).
-    The temporary folder is everyone's: another user could plant a link there, to make our
-    launches write and delete in a folder of their choosing. So the folder is opened without
-    following a link, and refused (OSError) unless it is a folder we own that only we can
-    write; its name holds our user id, so that two users' launches each have their own."""
-    path = os.path.join(tempfile.gettempdir(), f"ddp-tutorial-errors-{os.geteuid()}")
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # a link: ELOOP
-    info = os.fstat(folder)
-    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        os.close(folder)
-        raise PermissionError(f"{path} is not private to this user")
-    return folder
-
-
-def this_launch() -> str:
-    """What tells this launch from every other on this machine, the same for all its ranks.
-
-    The launcher's variables alone do not: a static `torchrun --nproc-per-node N` (no
-    --standalone) sets TORCHELASTIC_RUN_ID=none, and a fixed --master-port or --rdzv-id repeats,
-    so running the same failing command twice would print nothing the second time. A task of
-    an srun step has SLURM's job and step numbers (both nodes of a step then share the line on
-    a machine that runs two); anywhere else the process that started this rank (torchrun's
-    agent, mp.spawn's parent) and when it started tell the launch apart.
-    """
-    env = os.environ
-    launch = "|".join(env.get(name, "") for name in (
-        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID",
-        "SLURM_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT"))
-    if "SLURM_STEP_ID" in env:
-        return launch
-    parent = os.getppid()
-    try:  # the parent's start time (field 22): a pid alone may be reused
-        with open(f"/proc/{parent}/stat") as f:
-            started = f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        started = "?"  # no /proc (macOS): the pid, unique while the launcher runs
-    return f"{launch}|{parent}@{started}"
-
-
-# ---------------------------------------------------------------- a signal is never lost
-# Python runs a signal's handler in the main thread, between two bytecodes. A main thread
-# blocked in C runs none: a rank waiting in a gloo collective for a peer that stalled took a
-# Ctrl-C only when the collective timed out (--timeout, 600 s by default). And an interrupt
-# raised inside code that catches every exception can be lost (DCP catches even
-# KeyboardInterrupt, to send it to every rank). But the C-level handler notes every signal at
-# once, in a file descriptor (signal.set_wakeup_fd): a watchdog thread reads it, and ends the
-# process when the main thread has not, GRACE_S after a Ctrl-C or after a handler's decision
-# to end now (interrupt()). Either way: one line, exit 128 + the signal's number. A stop signal
-# after a peer failed ends the rank the same way, exit 3 (see _end_if_a_peer_failed).
-GRACE_S = 3.0
-_ending: dict = {}  # deadline, code, why, failed, reported: how this process ends
-_ending_lock = threading.RLock()  # (re-entrant: a signal's handler can run while its thread holds it)
-_ending_anyway = False  # main() failed: a signal now only makes sure that the end comes
-_wakeup = None
-
-
-def interrupt(signum: int, why: str) -> Interrupted:
-    """An Interrupted to raise (from a signal handler): the process ends within GRACE_S."""
-    _end_within(GRACE_S, 128 + signum, why)
-    return Interrupted(signum, why)
-
-
-def _end_within(seconds: float, code: int, why: str, failed: str = "") -> None:
-    with _ending_lock:
-        if "deadline" not in _ending:  # the first reason to end is the one reported
-            _ending.update(deadline=time.monotonic() + seconds, code=code, why=why, failed=failed)
-
-
-def watch_signals() -> None:
-    """Start the watchdog (run_main does, from the main thread, before main()), once per
-    process: a test runs several steps' main() in one."""
-    global _wakeup
-    if _wakeup is not None:
-        return
-    reader, writer = _wakeup = socket.socketpair()  # (kept: a collected socket closes its fd)
-    writer.setblocking(False)
-    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    if hasattr(os, "register_at_fork"):  # (POSIX)
-        os.register_at_fork(after_in_child=_not_in_children)
-    threading.Thread(target=_watch, args=(reader,), name="signal watchdog", daemon=True).start()
-
-
-def _not_in_children() -> None:
-    """A forked child (a DataLoader worker) would note its own signals in the parent's watchdog."""
-    try:
-        signal.set_wakeup_fd(-1)
-        for signum in STOP_SIGNALS:  # and a stop signal ends it as before, by its default
-            if signal.getsignal(signum) is _stop_now:
-                signal.signal(signum, signal.SIG_DFL)
-    except ValueError:  # forked from another thread: its signals are not Python's to handle
-        pass
-
-
-def _watch(reader: socket.socket) -> None:
-    while True:
-        deadline = _ending.get("deadline")
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if select.select([reader], [], [], timeout)[0]:
-            received = reader.recv(64)  # a byte per signal, its number
-            if not received:  # the writing end is closed: nothing will ever come (and select
-                return  # would return at once, for ever: a thread that spins)
-            stops = [signum for signum in STOP_SIGNALS if signum in received]
-            if signal.SIGINT in received:
-                _end_within(GRACE_S, 128 + signal.SIGINT, "interrupted (SIGINT)")
-            elif stops and _ending_anyway:
-                _end_within(GRACE_S, 128 + stops[0],
-                            f"{signal.Signals(stops[0]).name} while ending after an error")
-            elif stops:
-                _end_if_a_peer_failed(received)
-                if signal.getsignal(stops[0]) is _stop_now:  # (see stop_signals_end_now)
-                    _end_within(GRACE_S, 128 + stops[0], stopped_by(stops[0]))
-        elif deadline is not None:  # the main thread did not end the process in time
-            not_by_itself = f"this rank did not stop by itself within {GRACE_S:g} s"
-            if _ending["failed"]:
-                say_peer_failure(f"the group cannot go on because {_ending['failed']}; asked to "
-                                 f"stop ({_ending['why']}), {not_by_itself} (blocked in a "
-                                 f"collective that cannot complete, or in I/O)")
-            else:
-                say_interrupted(_ending["why"], f"; {not_by_itself} (blocked in a collective "
-                                                f"by a stalled peer, or in I/O)")
-            children = multiprocessing.active_children()
-            for child in children:
-                child.kill()
-            for child in children:
-                child.join(timeout=1)
-            exit_at_once(_ending["code"])
-
-
-def _end_if_a_peer_failed(received: bytes) -> None:
-    """A stop signal is taken at the main thread's next vote (StopRequest in step 07), after the
-    collective it may be waiting in. When a peer already failed, that collective can never
-    complete, and gloo does not always raise when the peer's connections close: a rank stopped
-    (SIGSTOP) in DDP's backward and resumed after its peer died waited in
-    Reducer::finalize_backward, on the all-reduce's future (no timeout), its connection to the
-    peer already closed, until torchrun's SIGKILL 30 s after its SIGTERM. So a stop signal
-    after a peer left its error in the store (torchrun sends one to every rank when a rank
-    ends) ends this rank within GRACE_S: one line, exit 3, as a lost peer does."""
-    if _watch_store is None or "deadline" in _ending:
-        return
-    failed = "; ".join(failed_peers(_watch_store))
-    if failed:
-        name = next(signal.Signals(s).name for s in STOP_SIGNALS if s in received)
-        _end_within(GRACE_S, 3, name, failed=failed)
-
-
-def stop_signals_end_now() -> None:
-    """For what has no checkpoint to save on a stop signal (step 11, 09's export): SIGTERM and
-    the other STOP_SIGNALS end the process as Ctrl-C does, one line and exit 128 + the
-    signal's number, within GRACE_S even when the main thread is blocked in C (the watchdog).
-    Their default action ended the process silently. (Steps 07-09 checkpoint instead:
-    step07_fault_tolerance.StopRequest.) From the main thread."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, _stop_now)
-
-
-def _stop_now(signum, frame) -> None:
-    raise interrupt(signum, stopped_by(signum))
-
-
-def stopped_by(signum: int) -> str:
-    return f"{signal.Signals(signum).name} received"
-
-
-def say_interrupted(why: str, detail: str = "") -> None:
-    """The one line an interrupt ends with, said once (by the main thread or the watchdog).
-    The watchdog's detail (this rank was stuck) is this rank's own: every rank that was stuck
-    says it. (Once per machine, a rank stuck behind a stalled peer said nothing whenever another
-    rank had said the same words: rank 1 of the stalled-peer test, on a busy machine.)"""
-    if _first_last_words():
-        leave_message(why)
-        report(f"{why}: stopped at once, without a checkpoint (the last one saved is kept)"
-               f"{detail}", every_rank=bool(detail))
-
-
-def say_peer_failure(explanation: str) -> None:
-    """The one line a rank that lost a peer ends with, said once (main thread or watchdog)."""
-    if _first_last_words():
-        print(f"error: rank {launcher_rank()}: {explanation}", file=sys.stderr, flush=True)
-
-
-def _first_last_words() -> bool:
-    """True the first time only: a process ends with one line, whichever thread says it."""
-    with _ending_lock:
-        first = not _ending.get("reported")
-        _ending["reported"] = True
-    return first
-
-
-def exit_at_once(code: int) -> None:
-    """End the process now, skipping Python's finalization: freeing torch's objects took 5-12 s
-    per rank after a Ctrl-C on the 2-core test machine, while a peer waiting in a collective
-    waited for this rank's sockets to close. (Nothing is lost: checkpoints are written
-    atomically, and TensorBoard's writer is flushed after every epoch.)"""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def run_main(main) -> None:
@@ -482,24 +146,6 @@ def exit_code(err: BaseException) -> int | None:
         return 3
     leave_message(f"{type(err).__name__}: {first_line(err)}")  # a bug: its traceback follows
     return None
-
-
-def signals_end_the_process() -> None:
-    """From the error handling on, Ctrl-C and the stop signals raise nothing in the main thread,
-    which goes on to print this rank's line: the watchdog ends the process GRACE_S after such a
-    signal if the main thread has not by then. (A raise would replace the error being
-    reported; their default action ended the rank before its line: torchrun's SIGTERM, sent to
-    every rank once one failed, came first for about 30 % of the ranks that lost a stalled
-    peer.)"""
-    global _ending_anyway
-    _ending_anyway = True
-    for signum in (signal.SIGINT, *STOP_SIGNALS):
-        signal.signal(signum, _for_the_watchdog)
-
-
-def _for_the_watchdog(signum, frame) -> None:
-    """Does nothing: being a Python handler makes Python's C-level handler write the signal to
-    the watchdog's socket (SIG_DFL and SIG_IGN do not), and the watchdog acts on it."""
 
 
 def end_child_processes() -> None:

@@ -27,10 +27,7 @@ SAMPLES_LIMIT = 1_000_000
 # number this size cannot overflow a float (a --warmup-steps of 10**400 did, in the schedule).
 EPOCHS_LIMIT, STEPS_LIMIT = 100_000, 1_000_000_000
 # --warmup-steps when --lr-scaling is on: twice the span SGD's momentum averages over (0.9: about
-# 10 steps), so the first updates, the largest, are not taken at the full scaled rate; short
-# against an epoch (117 steps of MNIST at a global batch of 512), so that the scaled rate does
-# the training. Measured (docs/benchmarks.md): enough at x2; at x4 (lr 0.2) neither 20 steps nor
-# none kept this CNN stable: the scaled rate itself was too high.
+# 10 steps), short against an epoch; measured enough at x2 (docs/benchmarks.md).
 WARMUP_STEPS = 20
 
 
@@ -294,6 +291,7 @@ CHECKED = {
     "--resume": existing_path,
     "--bucket-cap-mb": positive_float("--bucket-cap-mb"),
     "--max-mb": integer(1, 4096, "--max-mb"),  # 01's
+    "--h5-chunk": integer(1, what="--h5-chunk"),  # 06's
     "--stop-at-loss": positive_float("--stop-at-loss"),  # 10's
     "--steps": integer(2, 1000, "--steps"),  # 11's: 2 at least, for a step with the aux head
     "--max-norm": positive_float("--max-norm"),  # 11's

@@ -1,8 +1,17 @@
 """The HDF5 file step 06 streams from: written once, checked before training.
 
-Step 06 first needs it. One file holds both sets as uint8 (4x smaller than float32), in chunks
-of --h5-chunk samples with a checksum each; it is written under a temporary name and renamed
-when complete, so an interrupted `prepare` leaves no half file and no reader ever sees one.
+One file holds both sets as uint8 (4x smaller than float32), in chunks of --h5-chunk samples
+with a checksum each; it is written under a temporary name and renamed when complete, so an
+interrupted `prepare` leaves no half file and no reader ever sees one.
+
+Step 06 writes out plain versions of these functions (a copied 06 writes and reads its file with
+h5py alone). In the repository, take_in(step) replaces them by the checked twins below, which
+write the same samples in the same chunks and read the same rows:
+- prepare_if_missing: all ranks agree whether the file is there, a place that cannot be written
+  is one line before converting, a full disk is one line and leaves no temporary file (write);
+- open_h5: open_checked, the file's shapes, types, links and stored sizes checked before any
+  byte is read (`prepare` reads every chunk's checksum), one line for a bad file;
+- read_rows: a chunk damaged after those checks is one line naming the file and the chunk.
 """
 
 from __future__ import annotations
@@ -44,19 +53,6 @@ def prepare_if_missing(args, run) -> None:
         write(args.h5, train_set, test_set, args.h5_chunk, args.h5_compression)
     if dist.is_initialized():
         dist.barrier()
-
-
-def stream_ranges(starts, chunk: int, count: int, first: int, last: int) -> list:
-    """The rows at positions first .. last-1 of the stream that the chunks starting at `starts`
-    (in that order) form, as (a, b) row ranges: whole chunks, except at the two ends."""
-    ranges, position = [], 0
-    for start in starts:
-        end = min(start + chunk, count)
-        a, b = max(start, start + first - position), min(end, start + last - position)
-        if a < b:
-            ranges.append((a, b))
-        position += end - start
-    return ranges
 
 
 def write(path: Path, train_set: Digits, test_set: Digits, chunk: int,
@@ -195,3 +191,14 @@ def read_rows(path: Path, f, ranges) -> tuple[np.ndarray, np.ndarray]:
                             f"({first_line(err, 80)}); the file is damaged: delete "
                             f"it and prepare it again") from None
     return np.concatenate(images), np.concatenate(labels).astype(np.int64)
+
+
+def open_h5(args) -> tuple[int, int, Digits]:
+    """The step's open_h5, checked (open_checked); `prepare` reads every chunk once."""
+    return open_checked(args.h5, args.train_samples, args.test_samples,
+                        verify_all=args.command == "prepare")
+
+
+def take_in(step: dict) -> None:
+    """Replace step 06's plain file functions by their checked twins (see the top)."""
+    step.update(prepare_if_missing=prepare_if_missing, open_h5=open_h5, read_rows=read_rows)

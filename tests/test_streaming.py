@@ -3,6 +3,7 @@ in-process on files whose pixels spell each sample's index; a few real runs (tor
 DataLoader workers) check them end to end, with the accuracy of step 05 as the yardstick."""
 
 import os
+import re
 import runpy
 from collections import defaultdict
 from pathlib import Path
@@ -18,8 +19,8 @@ import common
 from harness import step06_digits_h5 as digits_h5
 from harness.data import MNIST_MEAN, MNIST_STD, Digits
 
-from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, launch, read_summary,
-                      run_step, torchrun_cmd)
+from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, copy_out, launch,
+                      read_summary, run_step, torchrun_cmd)
 
 STEP = REPO / "06_streaming_h5.py"
 
@@ -325,6 +326,30 @@ def test_streaming_learns_like_step_05(runs):
     # Only the sample order differs: measured 0.96 vs 0.92 (2 epochs of 1200 samples).
     assert abs(streamed["test_accuracy"] - in_memory["test_accuracy"]) < 0.1
     assert streamed["train_losses"][1] < streamed["train_losses"][0]
+
+
+def test_a_copied_06_writes_its_file_and_trains_the_same(runs, mnist_root, tmp_path):
+    """06 and common.py alone in an empty folder, without harness/ (no FLOP rate in its output):
+    finding no file, the step writes it from the digits itself, the same samples in the same
+    chunks, then streams it on 2 ranks with 2 workers each, and ends with the test loss and
+    accuracy of the repository's run with the same flags (the fixture's two_workers run)."""
+    folder = tmp_path / "copied"
+    copy_out([STEP.name], folder)
+    out = tmp_path / "out"
+    proc = launch(torchrun_cmd(2, STEP.name, *COMMON, "--data-dir", mnist_root, "--h5-chunk", 64,
+                               "--h5", folder / "digits.h5", "--epochs", 2, "--num-workers", 2,
+                               "--out-dir", out), cwd=folder, timeout=180)
+    assert "FLOP/s" not in proc.stdout and "test accuracy" in proc.stdout, proc.stdout
+    copied, expected = read_summary(out), runs["two_workers"].summary
+    assert (copied["test_loss"], copied["test_accuracy"]) == (
+        expected["test_loss"], expected["test_accuracy"])
+    said = [re.findall(r"test loss \S+  test accuracy \S+", stdout)
+            for stdout in (proc.stdout, runs["two_workers"].stdout)]
+    assert len(said[0]) == 2 and said[0] == said[1], said
+    with h5py.File(folder / "digits.h5") as f, h5py.File(runs["root"] / "converted.h5") as g:
+        for name in ("train/images", "train/labels", "test/images", "test/labels"):
+            assert f[name].chunks == g[name].chunks and np.array_equal(f[name][:], g[name][:])
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # no temporary
 
 
 def test_a_bad_file_stops_the_run_with_one_line_and_no_output(runs, tmp_path):
