@@ -294,4 +294,5 @@ CHECKED = {
     "--resume": existing_path,
     "--bucket-cap-mb": positive_float("--bucket-cap-mb"),
     "--max-mb": integer(1, 4096, "--max-mb"),  # 01's
+    "--checkpoint-every": integer(0, what="--checkpoint-every"),  # 07-09's
 }
