@@ -69,10 +69,6 @@ class StopRequest:
     def note(self, signum, frame):
         self.requested = signal.Signals(signum).name
 
-    @property
-    def reason(self) -> str:
-        return self.requested or "a stop signal to another rank"
-
     def agreed(self, run) -> bool:
         return any_rank(run, self.requested is not None)
 
@@ -224,7 +220,8 @@ def main():
         if stopping or (args.checkpoint_every and step % args.checkpoint_every == 0):
             save(epoch, step, loss_sum, samples)
         if stopping:
-            common.log(run, f"stopping at step {step} of epoch {epoch + 1} ({stop.reason}): "
+            why = stop.requested or "a stop signal to another rank"
+            common.log(run, f"stopping at step {step} of epoch {epoch + 1} ({why}): "
                             f"checkpoint saved in {latest}")
         return stopping
 

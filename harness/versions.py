@@ -52,6 +52,9 @@ def warn_of_unsupported_torch() -> None:
 
 
 def torch_needed_by(script) -> str | None:
-    """The version a step's require_torch(...) line asks for, or None (tour.py reads it)."""
-    found = re.search(r'require_torch\("([\d.]+)"', Path(script).read_text())
-    return found.group(1) if found else None
+    """The version a step's require_torch(...) line asks for, or its plain check (08's
+    `torch.__version__ < (2, 9)`), or None (tour.py reads it)."""
+    text = Path(script).read_text()
+    found = re.search(r'require_torch\("([\d.]+)"', text)
+    plain = re.search(r"torch\.__version__ < \((\d+), (\d+)\)", text)
+    return found.group(1) if found else ".".join(plain.groups()) if plain else None

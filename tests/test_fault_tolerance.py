@@ -20,8 +20,8 @@ import torch
 from harness import checkpoint
 from harness import step07_fault_tolerance as fault_tolerance
 from harness import step09_dcp_checkpoint as dcp_checkpoint
-from conftest import (REPO, RESTART_ARGS, base_env, copy_out, max_difference, rank_params,
-                      read_summary, run_step, saved_checkpoint, torchrun_cmd)
+from conftest import (REPO, RESTART_ARGS, base_env, copied_run_killed_at_step_27, max_difference,
+                      rank_params, read_summary, run_step, saved_checkpoint, torchrun_cmd)
 from conftest import launch as launch_cmd
 
 # Where torchrun runs with --max-restarts: a restarted group must meet at a fresh store.
@@ -55,36 +55,13 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(
     assert resumed["samples_per_sec"] > 0  # timed over the 16 steps it did
 
 
-# Loaded by every Python process of a copied run (PYTHONPATH): rank 1 SIGKILLs itself after its
-# 27th optimizer step, in torchrun's first attempt only, as tests/rank_probe.py does in the
-# repository (which would take the harness in with it).
-KILL_RANK_1_AT_STEP_27 = """
-import os
-if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-    import signal
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    steps = [0]
-    def after_step(optimizer, args, kwargs):
-        steps[0] += 1
-        if steps[0] == 27:
-            os.kill(os.getpid(), signal.SIGKILL)
-    register_optimizer_step_post_hook(after_step)
-"""
-
-
 def test_a_copied_07_killed_and_restarted_ends_as_the_uninterrupted_run(uninterrupted, args,
                                                                         tmp_path):
     """07 and common.py in an empty folder, run without harness/ (no FLOP rate printed): rank 1
     is killed at step 7 of epoch 2 under `torchrun --max-restarts 1`, the group restarts from
     the checkpoint at step 4, and the run ends with the repository's uninterrupted test loss
     and accuracy: the plain sampler position, RNG states and restart detection do it alone."""
-    folder, hook = tmp_path / "copied", tmp_path / "hook"
-    copy_out(["07_fault_tolerance.py"], folder)
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(KILL_RANK_1_AT_STEP_27)
-    proc = launch_cmd(torchrun_cmd(2, "07_fault_tolerance.py", *args, "--out-dir",
-                                   tmp_path / "out", extra=("--max-restarts", "1")),
-                      env=base_env(PYTHONPATH=hook, **FRESH_STORE), cwd=folder)
+    proc = copied_run_killed_at_step_27("07_fault_tolerance.py", args, tmp_path)
     assert "resumed at step 4 of epoch 2" in proc.stdout, proc.stdout
     assert "FLOP/s" not in proc.stdout and "test accuracy" in proc.stdout, proc.stdout
     copied, straight = read_summary(tmp_path / "out"), read_summary(uninterrupted)
