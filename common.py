@@ -531,3 +531,31 @@ def restore_checkpoint(path: Path, run, model, optimizer, scheduler) -> dict:
     scheduler.load_state_dict(saved["scheduler"])
     log(run, f"resumed from {path} after epoch {saved['epoch']}")
     return saved
+
+
+# ---------------------------------------------------------------- 05's who-is-who, for 07-09
+def use_srun_identity() -> None:
+    """As in step 05: under `srun` without torchrun, SLURM's variables say who a process is."""
+    env = os.environ
+    if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", 1)) < 2:
+        return  # started by torchrun, or by plain python
+    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
+               WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], GROUP_RANK=env["SLURM_NODEID"],
+               LOCAL_WORLD_SIZE=str(slurm_tasks_on_this_node()))
+    env.setdefault("MASTER_ADDR", slurm_head_address(env["SLURM_STEP_NODELIST"]))
+    env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
+
+
+def report_topology(run) -> int:
+    """As in step 05: rank 0 prints where every rank runs; returns the node count."""
+    node_rank = int(os.environ.get("GROUP_RANK", 0))  # torchrun's name for the node rank
+    steering = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items())
+                        if name == "NODE_RANK" or name.startswith("NCCL_")
+                        or name.endswith("_SOCKET_IFNAME"))
+    me = (node_rank, run.hostname, run.rank, run.local_rank, str(run.device), steering)
+    everyone = [None] * run.world_size
+    dist.all_gather_object(everyone, me)  # a collective: every rank must call it
+    for node, host, rank, local_rank, device, steering in everyone:
+        log(run, f"[node {node} {host}] rank {rank}/{run.world_size} local rank {local_rank} "
+                 f"on {device}" + (f" ({steering})" if steering else ""))
+    return len({node for node, *_ in everyone})

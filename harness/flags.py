@@ -291,6 +291,7 @@ CHECKED = {
     "--resume": existing_path,
     "--bucket-cap-mb": positive_float("--bucket-cap-mb"),
     "--max-mb": integer(1, 4096, "--max-mb"),  # 01's
+    "--checkpoint-every": integer(0, what="--checkpoint-every"),  # 07-09's
     "--h5-chunk": integer(1, what="--h5-chunk"),  # 06's
     "--stop-at-loss": positive_float("--stop-at-loss"),  # 10's
     "--steps": integer(2, 1000, "--steps"),  # 11's: 2 at least, for a step with the aux head

@@ -96,7 +96,8 @@ class Progress:
             self.epoch_samples += samples
         self.bad_step = torch.where(torch.isfinite(loss_sum) | (self.bad_step >= 0),
                                     self.bad_step, self.step_index)
-        if self.step_index % CHECK_EVERY == 0:
+        every = getattr(self.args, "checkpoint_every", 0)  # 07-09: never save a NaN loss's model
+        if self.step_index % CHECK_EVERY == 0 or (every and self.step_index % every == 0):
             self.check_loss()
         if self.live or self.logging:
             self._maybe_print(loss_sum, samples_so_far)

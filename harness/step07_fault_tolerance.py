@@ -1,13 +1,17 @@
-"""What step 07 adds to survive failures: a stop that all ranks agree on, a sampler that can
-start mid-epoch, every rank's random state, and the checks that make restarts safe.
+"""The checked twins of step 07's restart mechanics (08 and 09 take them in too).
 
-Step 07 first needs it (and step 08 after it). 07 shows when each piece is used; the why of each
-is written here, beside the code.
+take_in(step), before the step's main() runs, replaces its plain versions by these (same
+training, one-line failures): StopRequest (a second signal, or one before the first step, ends
+at once; a vote about once a second), ignore_stop_signals (SIGINT too), run_settings (the data's
+fingerprint, model, learning rate), own_checkpoint (only this run's: adopted), resume (checked
+reading, check_same_sample_order, settable random states); it refuses restarts without a fresh
+store (check_restart_store). The --out-dir lock (claim_out_dir) comes in with common.Metrics.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import itertools
 import os
@@ -266,3 +270,28 @@ def check_restart_store() -> None:
         raise UserError("torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
                         "torchrun's environment, or a restarted group reads the dead group's "
                         "addresses and cannot connect (pytorch/pytorch#135712)")
+
+
+def resume(path: Path, run, model, optimizer, scheduler, settings: dict):
+    """07's resume(), checked: the epoch to continue, the position in it, this rank's RNG."""
+    saved = checkpoint.restore(path, run, model, optimizer, scheduler, mid_epoch=True)
+    return continue_from(saved, settings, path, run)
+
+
+def continue_from(saved: dict, settings: dict, path: Path, run):
+    """Where a loaded checkpoint continues (07, 08): checked to be the same sample order."""
+    check_same_sample_order(saved, settings, path)
+    position = saved.get("position") or {"step": 0, "loss_sum": 0.0, "samples": 0}
+    states = saved.get("rng") or []
+    rng = states[run.rank] if position["step"] and len(states) == run.world_size else None
+    log(run, f"resumed at step {position['step']} of epoch {saved['epoch'] + 1}")
+    return saved["epoch"], position, rng
+
+
+def take_in(step: dict) -> None:
+    """Replace the plain restart mechanics of step 07 (or 08, 09) by the checked ones above."""
+    check_restart_store()  # before anything: a restarted group must not meet at a stale store
+    step.update(StopRequest=StopRequest, ignore_stop_signals=ignore_stop_signals,
+                set_rng_state=set_rng_state, rng_state=rng_state, restarted=restarted,
+                run_settings=functools.partial(run_settings, step["__file__"]),
+                own_checkpoint=own_checkpoint, resume=resume)

@@ -1,11 +1,13 @@
-"""What step 08 needs besides sharding itself: its one-file checkpoint restored into shards, the
-optimizer state in the form a plain optimizer saves, and what each rank holds (its shards, its
-peak memory).
+"""The checked twins of step 08's own functions, taken in before its main() runs (twins.py).
 
-Step 08 first needs it. 08 gathers the whole state to rank 0 and writes it as 07 does
-(harness/checkpoint.py); torch's state-dict API names the optimizer's parameters ("fc1.weight")
-where `optimizer.state_dict()` numbers them (0, 1, ...): the file keeps the numbers, so that
-any step, and a plain Net with its SGD, loads it.
+08 writes out plain versions: sharding, the one file gathered to rank 0, its resume into shards,
+what each rank holds. take_in(step) takes in 07's twins (step07_fault_tolerance) and replaces:
+- save_gathered by checkpoint.save (atomic, no NaN weights, a full disk is one line);
+- resume by restore() (checked reading, one line when the file does not fit) and 07's checks;
+- held_per_rank by the one below, which adds each rank's optimizer state and its memory after
+  the build to summary.json.
+The file keeps the optimizer state numbered as optimizer.state_dict() numbers it (08's
+numbered()); named() is its inverse, for restoring.
 """
 
 from __future__ import annotations
@@ -17,19 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-from . import checkpoint
+from . import checkpoint, step07_fault_tolerance
 from .errors import UserError, first_line
 from .ranks import log
-
-
-def numbered(optim_state: dict) -> dict:
-    """An optimizer state keyed by parameter names, keyed by numbers as optimizer.state_dict()
-    keys it (the order of the param groups, which is the model's order)."""
-    names = [name for group in optim_state["param_groups"] for name in group["params"]]
-    number = {name: i for i, name in enumerate(names)}
-    return {"state": {number[name]: s for name, s in optim_state["state"].items()},
-            "param_groups": [{**group, "params": [number[n] for n in group["params"]]}
-                             for group in optim_state["param_groups"]]}
 
 
 def named(optim_state: dict, model) -> dict:
@@ -65,7 +57,7 @@ def peak_memory_mib(run) -> float:
 
 
 def describe_shards(model) -> str:
-    """The line 08 prints: how much of the model this rank holds (its shards of every DTensor)."""
+    """The line 08 prints (09 calls this): how much of the model this rank holds."""
     held = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
     return (f"FSDP2: each rank holds {held:,} of the {total:,} parameters "
@@ -86,3 +78,15 @@ def held_per_rank(model, optimizer, run, memory_after_build: float) -> dict:
             "optimizer_state_per_rank": [e[1] for e in everyone],
             "memory_after_build_mib": [e[2] for e in everyone],
             "peak_memory_mib": [e[3] for e in everyone]}
+
+
+def resume(path: Path, run, model, optimizer, scheduler, settings: dict):
+    """08's resume(), checked: the epoch to continue, the position in it, this rank's RNG."""
+    saved = restore(path, run, model, optimizer, scheduler)
+    return step07_fault_tolerance.continue_from(saved, settings, path, run)
+
+
+def take_in(step: dict) -> None:
+    """07's twins, then 08's own (above)."""
+    step07_fault_tolerance.take_in(step)
+    step.update(save_gathered=checkpoint.save, resume=resume, held_per_rank=held_per_rank)

@@ -53,7 +53,9 @@ def warn_of_unsupported_torch() -> None:
 
 def torch_needed_by(script) -> str | None:
     """The version a step asks for, or None (tour.py reads it): in its require_torch("X.Y", ...)
-    line, or in a copyable step's own check, `if torch.__version__ < "X.Y":`."""
-    found = re.search(r'require_torch\("([\d.]+)"|torch\.__version__ < "([\d.]+)"',
-                      Path(script).read_text())
-    return (found.group(1) or found.group(2)) if found else None
+    line, or in a copyable step's own check, `torch.__version__ < "X.Y"` (10) or `< (X, Y)` (08)."""
+    found = re.search(r'require_torch\("([\d.]+)"|torch\.__version__ < "([\d.]+)"'
+                      r"|torch\.__version__ < \((\d+), (\d+)\)", Path(script).read_text())
+    if not found:
+        return None
+    return found.group(1) or found.group(2) or f"{found.group(3)}.{found.group(4)}"

@@ -118,6 +118,37 @@ def copy_out(scripts: list[str], folder) -> None:
         (folder / name).write_text((REPO / name).read_text())
 
 
+# Loaded by every Python process of a copied run (PYTHONPATH): rank 1 SIGKILLs itself after its
+# 27th optimizer step, in torchrun's first attempt only, as tests/rank_probe.py does in the
+# repository (which would take the harness in with it).
+KILL_RANK_1_AT_STEP_27 = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    import signal
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    steps = [0]
+    def after_step(optimizer, args, kwargs):
+        steps[0] += 1
+        if steps[0] == 27:
+            os.kill(os.getpid(), signal.SIGKILL)
+    register_optimizer_step_post_hook(after_step)
+"""
+
+
+def copied_run_killed_at_step_27(script: str, args: list, tmp_path: Path):
+    """`script` and common.py copied out (copy_out), run on 2 ranks under torchrun
+    --max-restarts 1 with a fresh store per restart, rank 1 killed after its 27th step; the
+    run's --out-dir is tmp_path / "out"."""
+    folder, hook = tmp_path / "copied", tmp_path / "hook"
+    copy_out([script], folder)
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_RANK_1_AT_STEP_27)
+    return launch(torchrun_cmd(2, script, *args, "--out-dir", tmp_path / "out",
+                               extra=("--max-restarts", "1")),
+                  env=base_env(PYTHONPATH=hook, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
+                  cwd=folder)
+
+
 def saved_checkpoint(folder: Path) -> tuple[Path, tuple]:
     """A plain model, optimizer and scheduler, saved as <folder>/checkpoint.pt after "epoch 1"."""
     from harness import checkpoint

@@ -20,8 +20,8 @@ import torch
 from harness import checkpoint
 from harness import step07_fault_tolerance as fault_tolerance
 from harness import step09_dcp_checkpoint as dcp_checkpoint
-from conftest import (REPO, RESTART_ARGS, base_env, max_difference, rank_params, read_summary,
-                      run_step, saved_checkpoint, torchrun_cmd)
+from conftest import (REPO, RESTART_ARGS, base_env, copied_run_killed_at_step_27, max_difference,
+                      rank_params, read_summary, run_step, saved_checkpoint, torchrun_cmd)
 from conftest import launch as launch_cmd
 
 # Where torchrun runs with --max-restarts: a restarted group must meet at a fresh store.
@@ -53,6 +53,20 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(
     # the whole epoch's, over every rank's samples, as the uninterrupted run reported it.
     assert resumed["train_losses"] == pytest.approx(straight["train_losses"][1:], rel=1e-12)
     assert resumed["samples_per_sec"] > 0  # timed over the 16 steps it did
+
+
+def test_a_copied_07_killed_and_restarted_ends_as_the_uninterrupted_run(uninterrupted, args,
+                                                                        tmp_path):
+    """07 and common.py in an empty folder, run without harness/ (no FLOP rate printed): rank 1
+    is killed at step 7 of epoch 2 under `torchrun --max-restarts 1`, the group restarts from
+    the checkpoint at step 4, and the run ends with the repository's uninterrupted test loss
+    and accuracy: the plain sampler position, RNG states and restart detection do it alone."""
+    proc = copied_run_killed_at_step_27("07_fault_tolerance.py", args, tmp_path)
+    assert "resumed at step 4 of epoch 2" in proc.stdout, proc.stdout
+    assert "FLOP/s" not in proc.stdout and "test accuracy" in proc.stdout, proc.stdout
+    copied, straight = read_summary(tmp_path / "out"), read_summary(uninterrupted)
+    assert (copied["test_loss"], copied["test_accuracy"]) == (straight["test_loss"],
+                                                              straight["test_accuracy"])
 
 
 def test_sigterm_saves_stops_and_a_requeued_job_continues_exactly(uninterrupted, args,

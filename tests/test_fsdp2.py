@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, RESTART_ARGS, base_env, launch, read_summary, run_step, torchrun_cmd
+from conftest import (REPO, RESTART_ARGS, base_env, copied_run_killed_at_step_27, launch,
+                      read_summary, run_step, torchrun_cmd)
 from harness.model import Net
 
 STEP = "08_fsdp2.py"
@@ -70,6 +71,20 @@ def test_a_killed_rank_is_restarted_from_the_gathered_checkpoint_exactly(straigh
     assert max_difference(saved_weights(tmp_path), saved_weights(straight["out"])) == 0.0
     assert (read_summary(tmp_path)["train_losses"]
             == pytest.approx(read_summary(straight["out"])["train_losses"][1:], rel=1e-12))
+
+
+def test_a_copied_08_killed_and_restarted_ends_as_the_uninterrupted_run(straight, mnist_root,
+                                                                        tmp_path):
+    """08 and common.py in an empty folder, without harness/: its plain gathered save and its
+    resume into shards carry a run killed at step 7 of epoch 2 to the repository's
+    uninterrupted test loss and accuracy."""
+    proc = copied_run_killed_at_step_27(STEP, [*RESTART_ARGS, "--data-dir", mnist_root],
+                                        tmp_path)
+    assert "resumed at step 4 of epoch 2" in proc.stdout, proc.stdout
+    assert "FLOP/s" not in proc.stdout and "test accuracy" in proc.stdout, proc.stdout
+    copied, straight = read_summary(tmp_path / "out"), read_summary(straight["out"])
+    assert (copied["test_loss"], copied["test_accuracy"]) == (straight["test_loss"],
+                                                              straight["test_accuracy"])
 
 
 def test_the_checkpoint_is_a_plain_one_that_step_00_evaluates_the_same(straight, mnist_root,
