@@ -103,9 +103,18 @@ def test_ctrl_c_to_the_main_process_ends_the_run_and_its_workers(tmp_path):
     wait_for(tmp_path / "checkpoint.pt", proc)  # training, with its worker running
     # Meanwhile a second run in the same --out-dir is refused, before it trains or writes.
     saved = (tmp_path / "checkpoint.pt").stat().st_mtime_ns
-    second = subprocess.run([sys.executable, STEP, *map(str, ARGS), "--out-dir", tmp_path],
-                            cwd=REPO, env=base_env(), capture_output=True, text=True,
-                            timeout=GUARD_S)
+    # The run is held mid-epoch meanwhile (SIGSTOP; its worker too): 80 steps take under 2 s
+    # here, less than a second run needs to start, and its worker must still be there below.
+    held = [proc.pid, *descendants(proc.pid)]
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        second = subprocess.run([sys.executable, STEP, *map(str, ARGS), "--out-dir", tmp_path],
+                                cwd=REPO, env=base_env(), capture_output=True, text=True,
+                                timeout=GUARD_S)
+    finally:
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
     assert second.returncode == 2, second.stderr[-3000:]
     one_error_line(second.stderr, f"--out-dir {tmp_path} is in use by another run (process "
                                   f"{proc.pid} on ")
