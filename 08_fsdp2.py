@@ -35,8 +35,8 @@ from torch.utils.data import DistributedSampler, Subset
 import common
 
 if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed the gradients
-    print(f"error: 08 needs torch >= 2.9 (FSDP2 on gloo before 2.9 summed gradients instead of "
-          f"averaging them); this is torch {torch.__version__}", file=sys.stderr)
+    print(f"error: 08_fsdp2.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 summed gradients "
+          f"instead of averaging them); this is torch {torch.__version__}", file=sys.stderr)
     sys.exit(2)
 
 EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
