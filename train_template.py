@@ -53,8 +53,9 @@ def batch_loss(model, batch):  # YOURS: the MEAN loss over the batch's samples
 def eval_sums(model, batch):  # YOURS: sums over a batch, added up over ranks: [loss, correct, n]
     inputs, targets = batch
     logits = model(inputs).float()
+    count = torch.tensor(len(targets), device=logits.device)  # (stack takes one device)
     return torch.stack([F.cross_entropy(logits, targets, reduction="sum"),
-                        (logits.argmax(1) == targets).sum(), torch.tensor(len(targets))])
+                        (logits.argmax(1) == targets).sum(), count])
 
 
 def build_optimizer(model, args, total_steps):  # YOURS: the optimizer and its schedule

@@ -68,8 +68,9 @@ def batch_loss(model, batch):
 def eval_sums(model, batch):  # per character: [loss sum, correct guesses, characters]
     inputs, targets = batch
     logits, targets = model(inputs).float().flatten(0, 1), targets.flatten()
+    count = torch.tensor(len(targets), device=logits.device)  # (stack takes one device)
     return torch.stack([F.cross_entropy(logits, targets, reduction="sum"),
-                        (logits.argmax(1) == targets).sum(), torch.tensor(len(targets))])
+                        (logits.argmax(1) == targets).sum(), count])
 
 
 def build_optimizer(model, args, total_steps):
