@@ -161,6 +161,20 @@ def saved_checkpoint(folder: Path) -> tuple[Path, tuple]:
     return folder / "checkpoint.pt", state
 
 
+class LazyRuns(dict):
+    """A module's runs, each launched the first time a test reads it and then kept: a test
+    starts only the runs it reads (`pytest -m quick` needs few of them), and each runs once
+    however many tests read it."""
+
+    def __init__(self, start):
+        super().__init__()
+        self.start = start  # name -> what the tests read of that run
+
+    def __missing__(self, name):
+        self[name] = self.start(name)
+        return self[name]
+
+
 def read_summary(out_dir: Path) -> dict:
     return json.loads((out_dir / "summary.json").read_text())
 

@@ -11,8 +11,8 @@ import torch
 
 from harness.model import build_model
 
-from conftest import (REPO, TEST_SAMPLES, copy_out, launch, max_difference, rank_params,
-                      read_summary, run_step, torchrun_cmd)
+from conftest import (REPO, TEST_SAMPLES, LazyRuns, copy_out, launch, max_difference,
+                      rank_params, read_summary, run_step, torchrun_cmd)
 
 TRAIN = 480  # divides by the global batch (48) and by 1 to 4 ranks: no sampler padding
 COMMON = ["--data", "mnist", "--train-samples", TRAIN, "--batch-size", 48]
@@ -33,44 +33,51 @@ FOUR_RANKS = 1e-6
 ORDER = 5e-5
 
 
+PLAN = {  # name: (script, ranks or None for plain python, extra args)
+    "02": ("02_manual_ddp.py", 2, ["--epochs", 2]),
+    "02_four_ranks": ("02_manual_ddp.py", 4, ["--epochs", 1, "--no-dropout"]),
+    "four_ranks": ("03_ddp_wrapper.py", 4, ["--epochs", 1, "--no-dropout"]),
+    "03": ("03_ddp_wrapper.py", 2, ["--epochs", 2]),
+    "03_first_epoch": ("03_ddp_wrapper.py", 2, ["--epochs", 1]),
+    "one_process": ("03_ddp_wrapper.py", None, ["--epochs", 1, "--no-dropout", "--quiet"]),
+    "two_ranks": ("03_ddp_wrapper.py", 2, ["--epochs", 1, "--no-dropout"]),
+    "three_ranks": ("03_ddp_wrapper.py", 3, ["--epochs", 1, "--no-dropout"]),
+    "accumulate": ("03_ddp_wrapper.py", 2, ["--epochs", 1, "--no-dropout",
+                                            "--max-device-batch", 8]),
+    "compiled": ("04_ddp_compile.py", 2, ["--epochs", 1, "--no-dropout"]),
+    # weak scaling: 24 per rank (not COMMON's global 48), --lr x2 after 3 warm-up steps
+    "weak": ("03_ddp_wrapper.py", 2, ["--epochs", 2, "--batch-per-rank", 24,
+                                      "--lr-scaling", "linear", "--warmup-steps", 3]),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(mnist_root, tmp_path_factory):
-    """Every training run this module needs, each launched once."""
+    """The training runs of PLAN, each launched once, when a test first reads it."""
     root = tmp_path_factory.mktemp("ddp")
-    plan = {  # name: (script, ranks or None for plain python, extra args)
-        "02": ("02_manual_ddp.py", 2, ["--epochs", 2]),
-        "02_four_ranks": ("02_manual_ddp.py", 4, ["--epochs", 1, "--no-dropout"]),
-        "four_ranks": ("03_ddp_wrapper.py", 4, ["--epochs", 1, "--no-dropout"]),
-        "03": ("03_ddp_wrapper.py", 2, ["--epochs", 2]),
-        "03_first_epoch": ("03_ddp_wrapper.py", 2, ["--epochs", 1]),
-        "one_process": ("03_ddp_wrapper.py", None, ["--epochs", 1, "--no-dropout", "--quiet"]),
-        "two_ranks": ("03_ddp_wrapper.py", 2, ["--epochs", 1, "--no-dropout"]),
-        "three_ranks": ("03_ddp_wrapper.py", 3, ["--epochs", 1, "--no-dropout"]),
-        "accumulate": ("03_ddp_wrapper.py", 2, ["--epochs", 1, "--no-dropout",
-                                                "--max-device-batch", 8]),
-        "compiled": ("04_ddp_compile.py", 2, ["--epochs", 1, "--no-dropout"]),
-        # weak scaling: 24 per rank (not COMMON's global 48), --lr x2 after 3 warm-up steps
-        "weak": ("03_ddp_wrapper.py", 2, ["--epochs", 2, "--batch-per-rank", 24,
-                                          "--lr-scaling", "linear", "--warmup-steps", 3]),
-    }
-    result = {}
-    for name, (script, nproc, extra) in plan.items():
+
+    def start(name):
+        if name == "03_resumed":  # the one-epoch run, resumed for a second epoch
+            resumed = runs["03_first_epoch"]["out"]
+            run_step("03_ddp_wrapper.py", [*COMMON, "--data-dir", mnist_root, "--epochs", 2,
+                                           "--resume", resumed / "checkpoint.pt",
+                                           "--out-dir", resumed],
+                     nproc=2, probe_dir=resumed / "probe_resumed")
+            return {"out": resumed, "probe": resumed / "probe_resumed",
+                    "summary": read_summary(resumed)}
+        script, nproc, extra = PLAN[name]
         out = root / name
         common = COMMON[:-2] if "--batch-per-rank" in extra else COMMON  # not --batch-size
         proc = run_step(script, [*common, "--data-dir", mnist_root, *extra, "--out-dir", out],
                         nproc=nproc, probe_dir=out / "probe")
-        result[name] = {"out": out, "probe": out / "probe", "stdout": proc.stdout,
-                        "summary": read_summary(out)}
-    # Resume the one-epoch run for a second epoch.
-    resumed = root / "03_first_epoch"
-    run_step("03_ddp_wrapper.py", [*COMMON, "--data-dir", mnist_root, "--epochs", 2,
-                                   "--resume", resumed / "checkpoint.pt", "--out-dir", resumed],
-             nproc=2, probe_dir=resumed / "probe_resumed")
-    result["03_resumed"] = {"out": resumed, "probe": resumed / "probe_resumed",
-                            "summary": read_summary(resumed)}
-    return result
+        return {"out": out, "probe": out / "probe", "stdout": proc.stdout,
+                "summary": read_summary(out)}
+
+    runs = LazyRuns(start)
+    return runs
 
 
+@pytest.mark.quick
 def test_manual_ddp_equals_the_wrapper(runs):
     """02 (broadcast + hand-written all-reduce) and 03 (DDP) end with the same weights, bit for
     bit on 2 ranks."""
@@ -97,6 +104,7 @@ def test_every_rank_ends_with_identical_weights(runs, name, ranks):
         assert max_difference(first, rank_params(runs[name]["probe"], rank)) == 0.0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["two_ranks", "three_ranks"])
 def test_n_ranks_equal_one_process_with_the_same_global_batch(runs, name):
     baseline = rank_params(runs["one_process"]["probe"])
@@ -194,6 +202,7 @@ def evaluations(runs, mnist_root, tmp_path_factory):
     return result
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_evaluation_counts_every_test_sample_exactly_once(evaluations, ranks):
     single, distributed = evaluations[1], evaluations[ranks]

@@ -38,6 +38,7 @@ def uninterrupted(uninterrupted_07):
     return uninterrupted_07
 
 
+@pytest.mark.quick
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(
         uninterrupted, args, tmp_path):
     # Rank 1 dies after step 27 = step 7 of epoch 2; the last checkpoint is at step 4 of epoch 2.
