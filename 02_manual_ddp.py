@@ -15,9 +15,9 @@ GLOBAL batch), then about the accuracy of step 00.
 Read also: common.py, what every step shares (the flags, the digits, the CNN, Progress, Metrics).
 """
 
-import contextlib
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
-with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
+try: import harness  # noqa: E701, F401
+except ModuleNotFoundError: pass  # noqa: E701
 import datetime
 import os
 

@@ -14,9 +14,9 @@ Look for: one line per rank naming its node, host, local rank and device.
 Read also: common.py (setup_distributed, slurm_head_address, slurm_tasks_on_this_node).
 """
 
-import contextlib
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
-with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
+try: import harness  # noqa: E701, F401
+except ModuleNotFoundError: pass  # noqa: E701
 import argparse
 import os
 from contextlib import nullcontext

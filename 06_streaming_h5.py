@@ -11,9 +11,9 @@ Run it:
 Look for: "<file>: N training samples (streamed, in chunks of C)", then step 05's accuracy.
 """
 
-import contextlib
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
-with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
+try: import harness  # noqa: E701, F401
+except ModuleNotFoundError: pass  # noqa: E701
 import argparse
 import os
 from contextlib import nullcontext

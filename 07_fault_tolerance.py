@@ -14,9 +14,9 @@ Look for: `kill -9` one worker: torchrun restarts the group, "resumed at step S 
 SIGTERM to torchrun: "stopping at step S of epoch E (SIGTERM): checkpoint saved".
 """
 
-import contextlib
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
-with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
+try: import harness  # noqa: E701, F401
+except ModuleNotFoundError: pass  # noqa: E701
 import argparse
 import itertools
 import os

@@ -15,9 +15,9 @@ failed rank prints torch's error, where it was and its Flight Recorder file. In 
 harness/step10_debugging.py adds every rank's state and a one-line diagnosis: docs/debugging.md.
 """
 
-import contextlib
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
-with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
+try: import harness  # noqa: E701, F401
+except ModuleNotFoundError: pass  # noqa: E701
 import datetime
 import os
 import pickle

@@ -1,7 +1,7 @@
 """The harness: what makes a run robust but teaches nothing.
 
-A step takes it in with its first line, `with contextlib.suppress(ModuleNotFoundError): import
-harness`; a step copied out of the repository, with common.py, runs without it as plain torch
+A step takes it in with its first lines, `try: import harness` and `except ModuleNotFoundError:
+pass`; a step copied out of the repository, with common.py, runs without it as plain torch
 does. Importing it replaces common.py's plain functions by checked ones, which train the same:
 
 - common.parser: every flag's range (flags.py), one line per bad flag, on every rank;
