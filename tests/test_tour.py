@@ -14,6 +14,15 @@ import tour
 from conftest import REPO, base_env, launch
 
 ROW = re.compile(r"^(\d\d[a-z]?)\s+(.+?)\s+(\d+)\s+(\S+)\s+(\S+)   (.+)$", re.M)
+EPOCH = r"^epoch 1: train loss (\S+)  test loss (\S+)  (test accuracy \S+% \(\d+/\d+\))"
+# What the README's sample may differ in on another CPU (docs/tests.md, "The README's sample").
+# Measured on this VM (torch 2.14.1), with ATen, MKL and oneDNN held to AVX-512, to AVX2 and to
+# no vector instructions: losses differ in the last of their 4 digits (0.6201 and 0.6193), and
+# every accuracy in the table was the same but 06's: 72.1 % with AVX2 and with none, 72.5 % with
+# AVX-512. 04 runs the kernels inductor generates for the CPU it runs on: 72.3 % on each here,
+# 72.4 % on another 2-core machine (issue 46).
+LOSS_DIGITS = 2e-3
+VARYING_ACCURACY, POINTS = ("04", "06"), 1.0
 
 
 def readme_sample() -> str:
@@ -45,16 +54,35 @@ def test_the_tour_runs_every_step_and_ends_with_one_table(tmp_path):
         assert 0 < summary["test_accuracy"] <= 1 and summary["test_samples"] == 1000
         assert int(world) == summary["world_size"] == (1 if step == "00" else 2)
 
-    # The README's sample is this run: the same table but for samples/s and seconds (which
-    # vary by machine), and each epoch line it quotes, up to its samples/s.
+    # The README's sample is this run, in what holds on any CPU: every row of its table but the
+    # samples/s, every line it quotes, with accuracies exact and losses to their last digits.
     sample = readme_sample()
-    assert [row[:4] + row[5:] for row in ROW.findall(sample)] == \
-        [row[:4] + row[5:] for row in rows], (sample, table)
-    quoted = re.findall(r"^(epoch 1: train loss .+?%\s\(\d+/\d+\))", sample, re.M)
-    quoted += [line for line in sample.splitlines()  # no timing or host name in them
-               if line.startswith(("  bucket ", "FSDP2: ", "rank ", "DDP's "))]
+    quoted_rows = ROW.findall(sample)
+    assert [row[:3] + row[5:] for row in quoted_rows] == [row[:3] + row[5:] for row in rows]
+    for quoted, printed in zip(quoted_rows, rows):
+        if quoted[0] in VARYING_ACCURACY:
+            assert abs(percent(quoted[3]) - percent(printed[3])) <= POINTS, (sample, table)
+        else:
+            assert quoted[3] == printed[3], (sample, table)
+    quoted = [line for line in sample.splitlines()  # no timing or host name in them
+              if line.startswith(("  bucket ", "FSDP2: ", "rank ", "DDP's "))]
     missing = [line for line in quoted if line not in proc.stdout]
-    assert len(quoted) >= 8 and not missing, missing
+    epochs = re.findall(EPOCH, sample, re.M)
+    printed = re.findall(EPOCH, proc.stdout, re.M)
+    missing += [line for line in epochs if not any(same_epoch(line, p) for p in printed)]
+    assert len(quoted) + len(epochs) >= 8 and not missing, missing
+
+
+def percent(cell: str) -> float:
+    return float(cell.rstrip("%"))
+
+
+def same_epoch(quoted: tuple, printed: tuple) -> bool:
+    """An epoch line as the README quotes it: accuracy and counts exact, losses within
+    LOSS_DIGITS (the last digit varies with the CPU's vector instructions)."""
+    (q_train, q_test, q_rest), (p_train, p_test, p_rest) = quoted, printed
+    return q_rest == p_rest and all(abs(float(a) - float(b)) <= LOSS_DIGITS
+                                    for a, b in ((q_train, p_train), (q_test, p_test)))
 
 
 def test_a_step_without_a_summary_shows_the_processes_the_tour_started(capsys):
