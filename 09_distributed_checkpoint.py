@@ -17,11 +17,8 @@ Look for: "checkpoint ...: 0.0x s blocking training, then 0.x s in the backgroun
 import contextlib
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
 with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
-import itertools
 import os
-import resource
 import shutil
-import signal
 import sys
 import time
 
@@ -33,84 +30,18 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.data import DistributedSampler, Subset
+from torch.utils.data import Subset
 
 import common
+from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest, any_rank,  # 07's
+                    ignore_stop_signals, restarted, rng_state, run_settings, set_rng_state)
+from common import held_per_rank, peak_memory_mib  # 08's
 
 if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed the gradients
     print(f"error: 09_distributed_checkpoint.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 "
           f"summed gradients instead of averaging them); this is torch {torch.__version__}",
           file=sys.stderr)
     sys.exit(2)
-
-EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
-# SLURM's SIGTERM (USR1/USR2 with --signal) and what else torchrun forwards to its workers.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # steps done, and their sums
-
-
-class ResumableSampler(DistributedSampler):
-    """As in 07: the same seed and epoch give the same order; `skip` skips what was trained."""
-
-    skip = 0
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-    def __len__(self):
-        return super().__len__() - self.skip
-
-
-def any_rank(run, flag: bool) -> bool:
-    """True on every rank if `flag` is True on any (a collective: every rank calls it)."""
-    votes = torch.tensor(float(flag), device=run.device)
-    dist.all_reduce(votes)
-    return bool(votes > 0)
-
-
-class StopRequest:
-    """As in 07: a stop signal only takes note; after each step the ranks vote, save, stop."""
-
-    def __init__(self):
-        self.requested = None  # the name of the signal that asked this rank to stop
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self.note)
-
-    def note(self, signum, frame):
-        self.requested = signal.Signals(signum).name
-
-    def agreed(self, run) -> bool:
-        return any_rank(run, self.requested is not None)
-
-
-def ignore_stop_signals(worker_id):
-    """DataLoader workers get SLURM's SIGTERM too: they ignore it and end with their rank."""
-    common.seed_worker(worker_id)
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
-def rng_state() -> dict:
-    """What this rank's dropout draws next: the CPU's generator (and the GPU's, if used)."""
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}
-    return {"cpu": torch.get_rng_state(), **cuda}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"].cpu())  # (.cpu(): a checkpoint may load to the GPU)
-    if "cuda" in state and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(state["cuda"].cpu())
-
-
-def restarted() -> bool:
-    """True in a group that torchrun restarted, or a job that SLURM requeued."""
-    return any(int(os.environ.get(name, 0)) > 0
-               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-
-
-def run_settings(args, plan, train_set) -> dict:
-    """What orders an epoch's samples: a mid-epoch resume needs the same (saved with each)."""
-    return {"train_samples": len(train_set), "seed": args.seed, "global_batch": plan.global_batch}
 
 
 def own_checkpoint(latest, settings, run):
@@ -119,16 +50,19 @@ def own_checkpoint(latest, settings, run):
 
 
 class Commits:
-    """One save at a time. A checkpoint is a folder; <out-dir>/checkpoint is a link to the newest
-    complete one. Switching a link is one atomic rename, so a kill mid-save leaves the link on
-    the previous checkpoint. new_folder() first waits for the last save and commits it."""
+    """One save at a time. A checkpoint is a new folder; <out-dir>/checkpoint is a link to the
+    newest complete one. Switching a link is one atomic rename, so a kill mid-save leaves the
+    link on the previous checkpoint. new_folder() first waits for the last save, commits it."""
 
-    def __init__(self, out_dir, run, settings):
+    def __init__(self, out_dir, run, settings):  # (the repository's Commits records settings)
         self.out_dir, self.run, self.pending = out_dir, run, None
 
     def new_folder(self, name: str, rng: dict):
         self.finish()
         self.folder, self.started_at = self.out_dir / f"checkpoint-{name}", time.perf_counter()
+        if self.run.is_main:  # a save killed before its commit left it: old .metadata, new shards
+            shutil.rmtree(self.folder, ignore_errors=True)  # would load silently wrong
+        dist.barrier()
         self.folder.mkdir(parents=True, exist_ok=True)
         torch.save(rng, self.folder / f"rng-rank{self.run.rank}.pt")  # each rank its own
         return self.folder
@@ -192,8 +126,7 @@ def export(path, out, args) -> None:
     position = saved["position"]  # kept: 00-06 refuse to continue mid-epoch
     common.save_checkpoint(out, model, optimizer, scheduler, saved["epoch"],
                            position=position if position["step"] else None)
-    print(f"wrote {out}: the model, optimizer and scheduler after epoch {saved['epoch']} "
-          f"(step {position['step']} of the next)", flush=True)
+    print(f"wrote {out} (epoch {saved['epoch']}, step {position['step']} of the next)", flush=True)
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, position, rng,
@@ -243,8 +176,7 @@ def evaluate(model, loader, run):
 
 
 def shard(model, run, args):
-    """FSDP2, as in 08: each parameter becomes a DTensor split over the ranks (08's --hsdp and
-    --reshard-after-forward stay in 08: DCP saves and loads the shards of any mesh alike)."""
+    """FSDP2, as in 08 (whose --hsdp and --reshard-after-forward stay there)."""
     mesh = init_device_mesh(run.device.type, (run.world_size,))
     # On GPUs: compute in bf16 (half the bytes to gather), average gradients in fp32.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -252,23 +184,6 @@ def shard(model, run, args):
     for layer in (model.conv1, model.conv2, model.fc1, model.fc2, model):
         fully_shard(layer, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
     return model
-
-
-def peak_memory_mib(run) -> float:
-    """As in 08: the most this process held (GPU tensors, or the CPU's peak resident set)."""
-    if run.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(run.device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # (Linux: KiB)
-
-
-def held_per_rank(model, optimizer, run, memory_after_build: float) -> dict:
-    """As in 08, for summary.json (a collective): each rank's parameters and peak MiB."""
-    everyone = [None] * run.world_size
-    dist.all_gather_object(everyone, (sum(p.to_local().numel() for p in model.parameters()),
-                                      peak_memory_mib(run)))
-    return {"params_total": sum(p.numel() for p in model.parameters()),
-            "params_per_rank": [e[0] for e in everyone],
-            "peak_memory_mib": [e[1] for e in everyone]}
 
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
@@ -312,9 +227,8 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     latest, settings = args.out_dir / "checkpoint", run_settings(args, plan, train_set)
-    # Any rank restarted: all resume (an agent restarted because another node failed does not
-    # count that restart). --resume is for the first attempt: a restart continues from what
-    # this run saved since, if it did.
+    # Any rank restarted: all resume (as in 07). --resume is for the first attempt: a restart
+    # continues from what this run saved since, if it did.
     if any_rank(run, restarted()):
         args.resume = own_checkpoint(latest, settings, run) or args.resume
     start_epoch, position, rng = 0, EPOCH_START, None
