@@ -2,7 +2,8 @@
 
 09 writes out plain versions: dcp.async_save into a folder, a link switched to commit it, each
 rank's random state in a file, dcp.load on any world size, the export to one checkpoint.pt.
-take_in(step) takes in 07's twins (step07_fault_tolerance) and 08's held_per_rank, and replaces:
+take_in(step) takes in 07's twins (step07_fault_tolerance) and 08's held_per_rank (09 takes the
+plain ones from common.py into its own namespace, where they are replaced), and replaces:
 - Commits by the one below: a save that fails on any rank (a full disk) removes its folder on
   every rank's word, in one line; small files written atomically; run.json records the run's
   settings; a link planted at a folder's name is refused; only folders 09 names are removed;
