@@ -1,7 +1,8 @@
 """Step 09: every rank writes its own shards. Distributed checkpoints (DCP), on any world size.
 
 Built on step 08, whose rank 0 gathers the whole state into one file. Here each rank writes its
-own shards, in the background; N ranks' checkpoint loads on M; `export` writes one for step 00.
+own shards with `dcp.async_save`, in the background; `dcp.load` reads N ranks' checkpoint on M;
+`export` writes one plain checkpoint.pt for step 00. More: docs/fsdp.md.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -11,13 +12,15 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
     python 09_distributed_checkpoint.py export --resume runs/09_distributed_checkpoint/checkpoint
 
 Look for: "checkpoint ...: 0.0x s blocking training, then 0.x s in the background".
-
-Read also: harness/step09_dcp_checkpoint.py (atomic commit, RNG files, export), docs/fsdp.md.
 """
 
-import harness.startup  # noqa: F401 -- first: a Ctrl-C while torch loads is one line
-import argparse
+import contextlib
+# The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
+with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
 import os
+import shutil
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,48 +33,114 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import Subset
 
 import common
-from harness import versions
-versions.require_torch("2.9", "FSDP2 on gloo: before 2.9 its gradients were summed, not averaged")
-from harness import ranks
-from harness import checkpoint, data, flags, metrics, step07_fault_tolerance as fault_tolerance
-from harness import step08_fsdp2 as sharded, step09_dcp_checkpoint as dcp_checkpoint
-from harness.model import build_model
+from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest, any_rank,  # 07's
+                    ignore_stop_signals, restarted, rng_state, run_settings, set_rng_state)
+from common import held_per_rank, peak_memory_mib  # 08's
+
+if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed the gradients
+    print(f"error: 09_distributed_checkpoint.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 "
+          f"summed gradients instead of averaging them); this is torch {torch.__version__}",
+          file=sys.stderr)
+    sys.exit(2)
 
 
-def use_srun_identity():
-    """`srun python 05_multinode.py` (one task per GPU, no torchrun) tells each process who it
-    is in SLURM's variables: the same numbers under other names. The group then meets at the
-    first node of the job step, at a port derived from the job id."""
-    env = os.environ
-    if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", 1)) < 2:
-        return  # started by torchrun, or by plain python
-    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
-               WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], GROUP_RANK=env["SLURM_NODEID"],
-               LOCAL_WORLD_SIZE=str(common.slurm_tasks_on_this_node()))
-    env.setdefault("MASTER_ADDR", common.slurm_head_address(env["SLURM_STEP_NODELIST"]))
-    env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 15000))
+def own_checkpoint(latest, settings, run):
+    """What a restarted group continues from: the checkpoint this run saved, if any."""
+    return latest if latest.exists() else None  # (a link to nothing does not exist)
 
 
-EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # steps done, and their sums
+class Commits:
+    """One save at a time. A checkpoint is a new folder; <out-dir>/checkpoint is a link to the
+    newest complete one. Switching a link is one atomic rename, so a kill mid-save leaves the
+    link on the previous checkpoint. new_folder() first waits for the last save, commits it."""
+
+    def __init__(self, out_dir, run, settings):  # (the repository's Commits records settings)
+        self.out_dir, self.run, self.pending = out_dir, run, None
+
+    def new_folder(self, name: str, rng: dict):
+        self.finish()
+        self.folder, self.started_at = self.out_dir / f"checkpoint-{name}", time.perf_counter()
+        if self.run.is_main:  # a save killed before its commit left it: old .metadata, new shards
+            shutil.rmtree(self.folder, ignore_errors=True)  # would load silently wrong
+        dist.barrier()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        torch.save(rng, self.folder / f"rng-rank{self.run.rank}.pt")  # each rank its own
+        return self.folder
+
+    def started(self, future) -> None:  # dcp.async_save's: done once the shards are written
+        self.pending = (future, self.folder, self.started_at, time.perf_counter())
+
+    def finish(self) -> None:
+        if self.pending is None:
+            return
+        (future, folder, started, returned), self.pending = self.pending, None
+        future.result()
+        dist.barrier()  # every rank's shards are written: commit
+        if self.run.is_main:
+            link = self.out_dir / ".checkpoint.link"
+            link.unlink(missing_ok=True)
+            link.symlink_to(folder.name)
+            os.replace(link, self.out_dir / "checkpoint")  # the commit
+            for old in set(self.out_dir.glob("checkpoint-epoch*")) - {folder}:
+                shutil.rmtree(old)
+            common.log(self.run, f"checkpoint {folder.name}: {returned - started:.2f} s blocking "
+                                 f"training, then {time.perf_counter() - returned:.2f} s in the "
+                                 f"background")
+        dist.barrier()  # no rank goes on before the commit
+
+
+def load(folder, model, optimizer, scheduler) -> dict:
+    """dcp.load, in place: every rank reads the parts of the saved shards that its own shards
+    need now, whatever the world size that wrote them (without a group: all, whole)."""
+    model_state, optim = get_state_dict(model, optimizer)  # this run's shard layout
+    state = {"model": model_state, "optim": optim, "extra": {
+        "epoch": 0, "position": dict(EPOCH_START), "scheduler": scheduler.state_dict()}}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    scheduler.load_state_dict(state["extra"]["scheduler"])
+    return state["extra"]
+
+
+def resume(path, run, model, optimizer, scheduler, settings):
+    """Load the folder `path` names; returns the epoch to continue, the position in it, and
+    this rank's RNG state (when as many ranks wrote it: another world size draws otherwise)."""
+    folder = path.resolve()
+    saved = load(folder, model, optimizer, scheduler)
+    position, ranks = saved["position"], len(list(folder.glob("rng-rank*.pt")))
+    rng = (torch.load(folder / f"rng-rank{run.rank}.pt", weights_only=True)
+           if position["step"] and ranks == run.world_size else None)
+    common.log(run, f"resumed from {folder} at step {position['step']} of epoch "
+                    f"{saved['epoch'] + 1}")
+    return saved["epoch"], position, rng
+
+
+def export(path, out, args) -> None:
+    """`export --resume PATH`: the checkpoint as one plain checkpoint.pt, which a plain Net
+    loads and `00_single_gpu.py --resume` evaluates. One process, no process group."""
+    model = common.build_model(args, seed=args.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scheduler = common.LRSchedule(optimizer)  # replaced by the saved one
+    saved = load(path.resolve(), model, optimizer, scheduler)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    position = saved["position"]  # kept: 00-06 refuse to continue mid-epoch
+    common.save_checkpoint(out, model, optimizer, scheduler, saved["epoch"],
+                           position=position if position["step"] else None)
+    print(f"wrote {out} (epoch {saved['epoch']}, step {position['step']} of the next)", flush=True)
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, position, rng,
                     after_step):
-    """One pass over the training set, or the rest of it after a mid-epoch checkpoint (its
-    `position` and `rng`); returns the mean training loss, or None when after_step says stop."""
+    """As in 08: returns the epoch's mean training loss, or None when after_step says stop."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
     samples, step = 0, position["step"]
     batches = iter(loader)  # (draws the loader's seed from the RNG the epoch started with)
     if rng is not None:
-        fault_tolerance.set_rng_state(rng)  # resumed mid-epoch: the checkpoint's random state
+        set_rng_state(rng)  # resumed mid-epoch: dropout draws on as it would have
     for images, labels in batches:
-        images = images.to(run.device, non_blocking=True)
-        labels = labels.to(run.device, non_blocking=True)
+        images, labels = images.to(run.device), labels.to(run.device)
         optimizer.zero_grad(set_to_none=True)
-        # A batch larger than --max-device-batch runs as several micro-batches. Each adds
-        # its share of the batch mean, so the gradients summed over the micro-batches equal
-        # those of the whole batch at once.
         micro_batches = list(zip(images.split(plan.micro_batch), labels.split(plan.micro_batch)))
         for i, (micro_images, micro_labels) in enumerate(micro_batches):
             # FSDP2's no_sync: reduce-scatter the gradients after the last micro-batch only.
@@ -81,7 +150,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, po
             (loss * len(micro_labels) / len(labels)).backward()
             loss_sum += loss.detach() * len(micro_labels)
         optimizer.step()
-        scheduler.step()  # the next step's learning rate (common.lr_schedule)
+        scheduler.step()
         samples += len(labels)
         progress.step(loss_sum, len(labels), samples)
         step += 1
@@ -95,156 +164,82 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, po
 
 
 def evaluate(model, loader, run):
-    """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
-    correct answers, samples), then the sums are added up over all ranks. Every forward
-    all-gathers weights, so a rank with fewer test batches runs blank ones, counting none. How
-    many is agreed before the first forward: an all-reduce among them would meet an all-gather."""
+    """As in 08: a rank with fewer test batches runs blank ones (each forward all-gathers)."""
     most = torch.tensor(len(loader), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most test batches any rank has
-    sums = metrics.test_sums(model, loader, run)
+    sums = common.test_sums(model, loader, run)
     with torch.no_grad(), run.autocast():
         for _ in range(int(most) - len(loader)):
             model(torch.zeros(1, 1, 28, 28, device=run.device))  # a blank digit
     dist.all_reduce(sums)
-    return metrics.test_results(sums)
-
-
-def report_topology(run):
-    """Every rank says where it runs, and the variables that steer how the group connects
-    which it inherited (often left over in a shell or a module file, and different per node);
-    rank 0 prints one line per rank. Returns the node count."""
-    node_rank = int(os.environ.get("GROUP_RANK", 0))  # torchrun's name for the node rank
-    steering = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items())
-                        if name == "NODE_RANK" or name.startswith("NCCL_")
-                        or name.endswith("_SOCKET_IFNAME"))
-    me = (node_rank, run.hostname, run.rank, run.local_rank, str(run.device), steering)
-    everyone = [None] * run.world_size
-    dist.all_gather_object(everyone, me)  # a collective: every rank must call it
-    for node, host, rank, local_rank, device, steering in everyone:
-        common.log(run, f"[node {node} {host}] rank {rank}/{run.world_size} "
-                        f"local rank {local_rank} on {device}"
-                        + (f" ({steering})" if steering else ""))
-    return len({node for node, *_ in everyone})
+    return common.test_results(sums)
 
 
 def shard(model, run, args):
-    """FSDP2: each parameter becomes a DTensor split over the ranks along its first dimension
-    (`p.to_local()`: this rank's rows). One group per call, gathered and scattered together."""
-    if args.hsdp:  # nodes x processes per node: replicate across nodes, shard within one
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
-        mesh = init_device_mesh(run.device.type, (run.world_size // per_node, per_node),
-                                mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(run.device.type, (run.world_size,))
-    # On GPUs: compute in bf16 (half the bytes to gather), average gradients in fp32 (precision;
-    # stated, since with reduce_dtype=None torch 2.14 reduced in bf16, 2.15 in the fp32 params').
+    """FSDP2, as in 08 (whose --hsdp and --reshard-after-forward stay there)."""
+    mesh = init_device_mesh(run.device.type, (run.world_size,))
+    # On GPUs: compute in bf16 (half the bytes to gather), average gradients in fp32.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   output_dtype=torch.float32) if args.mixed_precision else None
-    # reshard_after_forward: free the gathered weights after forward and gather them again in
-    # backward (less memory), or keep them until backward (less communication).
     for layer in (model.conv1, model.conv2, model.fc1, model.fc2, model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy(),
-                    reshard_after_forward=args.reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
     return model
 
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
 def main():
-    parser = flags.parser(__doc__, __file__)
+    parser = common.parser(__doc__, __file__)
     parser.add_argument("command", nargs="?", choices=["train", "export"], default="train",
                         help="export: write the --resume checkpoint as one plain checkpoint.pt")
     parser.add_argument("--mixed-precision", action="store_true",
                         help="compute in bf16, average gradients in fp32 (for GPUs with bf16)")
-    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
-                        default=True, help="free gathered weights after forward (default)")
-    parser.add_argument("--hsdp", action="store_true",
-                        help="shard within each node, replicate across nodes (a 2-D mesh)")
-    parser.add_argument("--checkpoint-every", type=flags.integer(0, what="--checkpoint-every"),
-                        default=100, metavar="K",
+    parser.add_argument("--checkpoint-every", type=int, default=100, metavar="K",
                         help="also checkpoint every K training steps (0: once per epoch only)")
     args = parser.parse_args()  # every flag is checked here
     if args.command == "export":  # one process, no process group
-        return dcp_checkpoint.export(args.resume, args.out_dir / "checkpoint.pt", args)
-    fault_tolerance.check_restart_store()  # a restarted group must not meet at a stale store
-    stop = fault_tolerance.StopRequest()  # before the (slow) setup: a signal may come any time
-    use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
-    run = common.setup_distributed(args)  # step 02's setup(), now shared
+        return export(args.resume, args.out_dir / "checkpoint.pt", args)
+    stop = StopRequest()  # before the (slow) setup: a signal may come any time
+    common.use_srun_identity()  # as in 05
+    run = common.setup_distributed(args)
     if args.mixed_precision and not run.has_bf16:  # as --amp: GPUs with native bf16 only
-        common.log(run, "note: --mixed-precision needs a GPU with native bf16; training in "
-                        "float32")
+        common.log(run, "note: --mixed-precision needs a GPU with native bf16; training in float32")
         args.mixed_precision = False
-    fault_tolerance.claim_out_dir(args.out_dir, run)  # one run at a time in an --out-dir
-    nodes = report_topology(run)
-    # One download per node (its local rank 0): each node may have its own disk. On a shared
-    # filesystem the downloads land in temporary folders and are renamed into place, so two
-    # nodes downloading at once cannot leave a half-written file.
-    train_set, test_set = data.load_datasets(args, run, download=run.local_rank == 0)
+    results = common.Metrics(run, args)  # (in the repository: one run at a time per --out-dir)
+    nodes = common.report_topology(run)  # as in 05
+    train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args, run.world_size, len(train_set))
     common.announce(run, args, plan, __file__,
                     mixed_precision="bf16/fp32" if args.mixed_precision else "off")
-    # Every rank shuffles with the same seed, then takes every world_size-th index from its
-    # rank on: disjoint shares that together cover the set. When the set does not divide,
-    # the sampler pads with repeats so all ranks run the same number of steps.
-    train_sampler = fault_tolerance.ResumableSampler(
-        train_set, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=args.seed)
-    train_loader = data.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
-                                    worker_init_fn=fault_tolerance.ignore_stop_signals,
-                                    drop_last=True)  # as in 07: equal steps on every rank
-    # Evaluation must count every test sample exactly once, so no sampler padding here:
-    # a strided shard per rank, of unequal sizes when the set does not divide.
-    test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = data.make_loader(test_shard, 1000, run, args)
+    train_sampler = ResumableSampler(train_set, num_replicas=run.world_size, rank=run.rank,
+                                     shuffle=True, seed=args.seed)
+    train_loader = common.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
+                                      worker_init_fn=ignore_stop_signals, drop_last=True)
+    test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))  # as in 03
+    test_loader = common.make_loader(test_shard, 1000, run, args)
 
-    # On the meta device a model has shapes and no memory. shard() splits each parameter over
-    # the ranks, to_empty() allocates this rank's shards (uninitialised), and rank 0's full
-    # copy is broadcast into them, one whole tensor at a time: only rank 0 holds the whole model.
-    with torch.device("meta"):
-        model = build_model(args, seed=args.seed)
+    with torch.device("meta"):  # as in 08: filled from rank 0's copy
+        model = common.build_model(args, seed=args.seed)
     shard(model, run, args).to_empty(device=run.device)
-    set_model_state_dict(model, build_model(args, seed=args.seed).state_dict() if run.is_main
-                         else {}, options=StateDictOptions(full_state_dict=True,
-                                                           broadcast_from_rank0=True))
-    memory_after_build = sharded.peak_memory_mib(run)  # (MiB)
-    common.log(run, sharded.describe_shards(model))  # "each rank holds N of the M ..."
-    # The optimizer comes after shard(): it must hold the sharded parameters.
+    set_model_state_dict(model, common.build_model(args, seed=args.seed).state_dict()
+                         if run.is_main else {}, options=StateDictOptions(
+                             full_state_dict=True, broadcast_from_rank0=True))
+    memory_after_build = peak_memory_mib(run)  # (MiB)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
-    latest = args.out_dir / "checkpoint"  # a link to the newest complete checkpoint folder
-    settings = fault_tolerance.run_settings(__file__, args, plan, train_set)  # what this run is
-    # Any rank restarted: all resume (an agent restarted only because another node failed
-    # does not count that restart), from this run's own checkpoint only: another run's, left in
-    # the same --out-dir, is not adopted. --resume is for the first attempt: a restart continues
-    # from what this run saved since, if it did. A fresh run starts fresh, or from --resume.
-    if ranks.all_ranks_agree(run, fault_tolerance.restarted(), any_rank=True):
-        args.resume = dcp_checkpoint.own_checkpoint(latest, settings, run) or args.resume
+    latest, settings = args.out_dir / "checkpoint", run_settings(args, plan, train_set)
+    # Any rank restarted: all resume (as in 07). --resume is for the first attempt: a restart
+    # continues from what this run saved since, if it did.
+    if any_rank(run, restarted()):
+        args.resume = own_checkpoint(latest, settings, run) or args.resume
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
-        folder = dcp_checkpoint.complete_folder(args.resume)  # (its .metadata read safely)
-        model_state, optim = get_state_dict(model, optimizer)  # this run's shard layout
-        state = {"model": model_state, "optim": optim,
-                 "extra": {"epoch": 0, "position": dict(EPOCH_START),  # (loaded in place)
-                           "scheduler": scheduler.state_dict()}}
-        # Every rank reads the parts of the saved shards that its own shards need now, whatever
-        # the world size that wrote them. (torch's default reader would run code a file holds.)
-        with dcp_checkpoint.one_line_errors(folder):
-            dcp.load(state, storage_reader=dcp_checkpoint.SafeReader(folder),
-                     planner=dcp_checkpoint.SafePlanner())
-        checkpoint.check_values(state["extra"], folder)  # an edited epoch or position: one line
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        scheduler.load_state_dict(state["extra"]["scheduler"])
-        start_epoch, position = state["extra"]["epoch"], state["extra"]["position"]
-        dcp_checkpoint.check_same_sample_order(folder, position, settings)  # mid-epoch: 07's
-        if position["step"]:  # mid-epoch; at an epoch's start, seed_everything draws it anew
-            rng = dcp_checkpoint.rng_state(folder, run)  # same world size only, else None
-        common.log(run, f"resumed from {folder} at step {position['step']} of epoch "
-                        f"{start_epoch + 1}")
-    # async_save writes from a background thread, and its collectives need a group of their
-    # own: on GPUs one that can do CPU collectives (NCCL cannot: gloo), and on the CPU one
-    # whose messages cannot interleave with FSDP's all-gathers (on the training group, gloo
-    # aborted in 3 runs of 3 on torch 2.14; on 2.15 such a run can also hang, silently).
+        start_epoch, position, rng = resume(args.resume, run, model, optimizer, scheduler,
+                                            settings)
+    # async_save writes from a background thread, whose collectives need a group of their own:
+    # one that can do CPU collectives (NCCL cannot: gloo), and whose messages cannot interleave
+    # with FSDP's all-gathers (on the training group gloo aborted, 3 runs of 3, torch 2.14).
     checkpoint_group = dist.new_group(backend="gloo")
-    saving = dcp_checkpoint.Commits(args.out_dir, run, settings)  # one save at a time, + commit
+    saving = Commits(args.out_dir, run, settings)
 
     def save(epochs_done, step=0, loss_sum=None, samples=0, wait=False):
         """Every rank calls this, and writes its own shards (in the background)."""
@@ -253,14 +248,11 @@ def main():
         dist.all_reduce(sums)  # the epoch's sums so far, over every rank's samples
         done = {"step": step, "loss_sum": position["loss_sum"] + sums[0].item(),
                 "samples": position["samples"] + int(sums[1].item())}  # the epoch so far
-        model_state, optim = get_state_dict(model, optimizer)  # this rank's shards
+        model_state, optim = get_state_dict(model, optimizer)  # this rank's shards, no gather
         folder = saving.new_folder(f"epoch{epochs_done + 1}-step{step}" if step
-                                   else f"epoch{epochs_done}-end", fault_tolerance.rng_state())
+                                   else f"epoch{epochs_done}-end", rng_state())
         # Blocks while this rank's shards are copied to host memory; the writing overlaps the
-        # next steps, and the next save (or the end) waits for it, then commits the folder.
-        # per_thread_copy_ahead=0: the writer thread only writes those host copies (above 0 it
-        # would ask CUDA for a stream, on GPU 0 in a new thread). async_save's staging already
-        # sets 0 (FileSystemWriter.stage, read in torch 2.8.0 and 2.14.1): said here, not needed.
+        # next steps. per_thread_copy_ahead=0: the writer thread makes no CUDA stream (on GPU 0).
         saving.started(dcp.async_save({"model": model_state, "optim": optim, "extra": {
             "epoch": epochs_done, "position": done, "scheduler": scheduler.state_dict()}},
             storage_writer=dcp.FileSystemWriter(folder, per_thread_copy_ahead=0),
@@ -269,44 +261,37 @@ def main():
             saving.finish()
 
     def after_step(step, loss_sum, samples):
-        """Checkpoint every --checkpoint-every steps; on an agreed stop request, save and stop.
-        (`epoch` is the epoch the loop below is training.)"""
+        """Checkpoint every --checkpoint-every steps; on an agreed stop request, save and stop."""
         stopping = stop.agreed(run)
         if stopping or (args.checkpoint_every and step % args.checkpoint_every == 0):
-            progress.check_loss()  # never save a model whose loss went NaN
             save(epoch, step, loss_sum, samples, wait=stopping)
         if stopping:
-            common.log(run, f"stopping at step {step} of epoch {epoch + 1} ({stop.reason}): "
+            why = stop.requested or "a stop signal to another rank"
+            common.log(run, f"stopping at step {step} of epoch {epoch + 1} ({why}): "
                             f"checkpoint saved in {latest}")
         return stopping
 
-    results, test = metrics.Metrics(run, args), None
-    with metrics.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
+    test = None
+    with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
-            # Shuffling and dropout draw from these numbers alone, so a run resumed at this
-            # epoch draws exactly what an uninterrupted run drew.
-            common.seed_everything(args.seed, epoch, run.rank)  # rank: its own dropout masks
-            train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            common.seed_everything(args.seed, epoch, run.rank)  # as in 03: exact resume
+            train_sampler.set_epoch(epoch)
             train_sampler.skip = position["step"] * plan.per_rank  # what a checkpoint covers
             progress.start_epoch(epoch, steps_done=position["step"])
             train_loss = train_one_epoch(model, train_loader, optimizer, scheduler, run, plan,
                                          progress, position, rng, after_step)
             if train_loss is None:  # asked to stop, and checkpointed
-                raise SystemExit(fault_tolerance.EXIT_STOPPED)
+                raise SystemExit(EXIT_STOPPED)
             position, rng = EPOCH_START, None  # the next epoch starts at its beginning
             samples_per_sec = progress.end_epoch()
-            lr = scheduler.last_step_lr()  # the rate the epoch ended with
             test = evaluate(model, test_loader, run)
-            results.epoch(epoch, train_loss, test, samples_per_sec, lr)
+            results.epoch(epoch, train_loss, test, samples_per_sec, scheduler.last_step_lr())
             save(epoch + 1)
     saving.finish()  # the last save, complete before the run ends
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(model, test_loader, run)
-    if progress.first_step_seconds is not None:
-        common.log(run, f"first step {progress.first_step_seconds:.2f} s (one-off costs: warm-up, "
-                        f"FSDP2's set-up), then {progress.samples_per_sec or 0:,.0f} samples/s")
     results.summary(__file__, args, plan, test, progress, nodes=nodes,  # + what each rank held
-                    **sharded.held_per_rank(model, optimizer, run, memory_after_build))
+                    **held_per_rank(model, optimizer, run, memory_after_build))
     dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """What every step shares, read once: who a process is, its device, the process group, seeding,
 the batch plan, the learning rate, the digits, the CNN, the flags, progress and summary.json,
-checkpoints, the profiler.
+checkpoints, the profiler; and for step 09, what 07 and 08 write out: the restart mechanics and
+the report of what each rank holds.
 
 Copy a step and this file into an empty folder and the step runs there, with torch alone. In
 the repository, a step's first line takes in harness/, which replaces some of these functions
@@ -14,10 +15,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
 import random
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401 -- steps use it
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class UserError(Exception):
@@ -561,3 +565,95 @@ def report_topology(run) -> int:
         log(run, f"[node {node} {host}] rank {rank}/{run.world_size} local rank {local_rank} "
                  f"on {device}" + (f" ({steering})" if steering else ""))
     return len({node for node, *_ in everyone})
+
+
+# ---------------------------------------------------------------- 07's restart mechanics, for 09
+EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
+# SLURM's SIGTERM (USR1/USR2 with --signal) and what else torchrun forwards to its workers.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # steps done, and their sums
+
+
+class ResumableSampler(DistributedSampler):
+    """As in step 07: the same seed and epoch give the same order, so skipping the `skip`
+    samples a checkpoint covers skips exactly those already trained."""
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return super().__len__() - self.skip
+
+
+def any_rank(run, flag: bool) -> bool:
+    """True on every rank if `flag` is True on any (a collective: every rank calls it)."""
+    votes = torch.tensor(float(flag), device=run.device)
+    dist.all_reduce(votes)
+    return bool(votes > 0)
+
+
+class StopRequest:
+    """As in step 07: a stop signal means "stop soon"; the handler only takes note, after each
+    step the ranks vote, and all save at the same step."""
+
+    def __init__(self):
+        self.requested = None  # the name of the signal that asked this rank to stop
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self.note)
+
+    def note(self, signum, frame):
+        self.requested = signal.Signals(signum).name
+
+    def agreed(self, run) -> bool:
+        return any_rank(run, self.requested is not None)
+
+
+def ignore_stop_signals(worker_id):
+    """DataLoader workers get SLURM's SIGTERM too: they ignore it and end with their rank."""
+    seed_worker(worker_id)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def rng_state() -> dict:
+    """What this rank's dropout draws next: the CPU's generator (and the GPU's, if used)."""
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}
+    return {"cpu": torch.get_rng_state(), **cuda}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"].cpu())  # (.cpu(): a checkpoint may load to the GPU)
+    if "cuda" in state and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+def restarted() -> bool:
+    """True in a group that torchrun restarted, or a job that SLURM requeued."""
+    return any(int(os.environ.get(name, 0)) > 0
+               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def run_settings(args, plan, train_set) -> dict:
+    """What orders an epoch's samples: a mid-epoch resume needs the same (saved with each)."""
+    return {"train_samples": len(train_set), "seed": args.seed, "global_batch": plan.global_batch}
+
+
+# ---------------------------------------------------------------- 08's report, for 09
+def peak_memory_mib(run) -> float:
+    """The most this process held: its GPU tensors, or on the CPU its peak resident set."""
+    if run.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(run.device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # (Linux: KiB)
+
+
+def held_per_rank(model, optimizer, run, memory_after_build: float) -> dict:
+    """For summary.json (a collective): each rank's parameter elements and peak memory (MiB).
+    (In the repository also its optimizer state and its memory after the build.)"""
+    everyone = [None] * run.world_size
+    dist.all_gather_object(everyone, (sum(p.to_local().numel() for p in model.parameters()),
+                                      peak_memory_mib(run)))
+    return {"params_total": sum(p.numel() for p in model.parameters()),
+            "params_per_rank": [e[0] for e in everyone],
+            "peak_memory_mib": [e[1] for e in everyone]}

@@ -5,7 +5,8 @@ Split from step09_dcp_checkpoint.py, which re-exports every name here. torch 2.1
 `torch.load(weights_only=False)`: a replaced file would run whatever it holds. Every load goes
 through SafeReader and SafePlanner, which accept plain data and DCP's own classes only; a folder
 is complete when its `.metadata` is (complete_folder); one_line_errors turns DCP's
-CheckpointException into the one line of the rank whose read failed.
+CheckpointException into the one line of the rank whose read failed. Each rank's random state
+(rng-rank<R>.pt) is read with weights_only=True, and checked on every rank together (rng_state).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.futures import Future
 
+from .checkpoint_reading import rng_problem
 from .errors import Interrupted, PeerFailure, UserError, first_line
+from .ranks import log
 
 
 # ---------------------------------------------------------------- reading without running code
@@ -207,3 +210,35 @@ def load(state: dict, folder: Path) -> None:
         dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner())
 
 
+def rng_state(folder: Path, run) -> dict | None:
+    """This rank's random state as the checkpoint saved it, when the checkpoint was written by as
+    many ranks as this run has; otherwise None (the streams of another world size differ).
+    Every rank reads its own file, so every rank learns whether all could: a rank whose file
+    is damaged would otherwise leave the others waiting in the next collective until
+    --timeout. All stop with the first damaged file's line (exit 2)."""
+    saved = sorted(folder.glob("rng-rank*.pt"))
+    if len(saved) != run.world_size:
+        log(run, f"note: the checkpoint was written by {len(saved)} ranks, this run has "
+                 f"{run.world_size}: random streams restart from the seed")
+        return None
+    path = folder / f"rng-rank{run.rank}.pt"
+    state, failed = None, None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # to the CPU: see 07
+        if not (isinstance(state, dict) and torch.is_tensor(state.get("cpu"))
+                and state["cpu"].dtype == torch.uint8):
+            failed = (f"{path} is damaged or is not a random state; not loading it (a "
+                      f"{type(state).__name__} without a CPU random state)")
+    except Exception as err:  # noqa: BLE001 -- not plain data, empty, truncated, ...
+        failed = f"{path} is damaged or is not a random state; not loading it ({why(err)})"
+    problem = None if failed else rng_problem(state)  # 07's check: torch can set it
+    if problem:
+        failed = f"{path} is damaged or is not a random state; not loading it ({problem})"
+    everyone = [failed]
+    if dist.is_initialized():
+        everyone = [None] * run.world_size
+        dist.all_gather_object(everyone, failed)
+    failed = next((reason for reason in everyone if reason), None)
+    if failed:
+        raise UserError(failed)
+    return state

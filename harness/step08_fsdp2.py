@@ -56,14 +56,6 @@ def peak_memory_mib(run) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
-def describe_shards(model) -> str:
-    """The line 08 prints (09 calls this): how much of the model this rank holds."""
-    held = sum(p.to_local().numel() for p in model.parameters())
-    total = sum(p.numel() for p in model.parameters())
-    return (f"FSDP2: each rank holds {held:,} of the {total:,} parameters "
-            f"({100 * held / total:.1f}%), and as much of their gradients and optimizer state")
-
-
 def held_per_rank(model, optimizer, run, memory_after_build: float) -> dict:
     """For summary.json (a collective): the elements each rank holds of the parameters and of
     the optimizer state (its shards), and its peak memory (MiB) once its model was built, and

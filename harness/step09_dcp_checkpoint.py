@@ -1,19 +1,17 @@
-"""The mechanics of step 09's distributed checkpoints (DCP) that no step teaches: a folder's
-atomic commit, every rank's random state, reading without running code, export to one file.
+"""The checked twins of step 09's own functions, taken in before its main() runs (twins.py).
 
-Step 09 first needs it (09 calls dcp.async_save and dcp.load itself). A checkpoint is a folder,
-<out-dir>/checkpoint-epoch<E>-step<S>, with DCP's files (every rank writes its own shards;
-`.metadata`, written last, makes it complete), each rank's random state (rng-rank<R>.pt) and
-the settings of the run that wrote it (run.json: see step07_fault_tolerance.run_settings).
-<out-dir>/checkpoint is a link to the newest complete one: switching a link is one atomic
-rename, so a kill during a save leaves the link on the previous checkpoint, and a save that
-fails (a full disk) removes its folder on every rank's word.
-
-Nothing read from a checkpoint can run code. torch 2.14's DCP reads `.metadata` with plain
-`pickle.load`, and the non-tensor values of a state dict (epoch, scheduler, ...) with
-`torch.load(weights_only=False)`: a replaced file would run whatever it holds. Every load here
-goes through SafeReader and SafePlanner, which accept plain data and DCP's own classes only
-(dcp_reading.py, split from here; its names are re-exported below).
+09 writes out plain versions: dcp.async_save into a folder, a link switched to commit it, each
+rank's random state in a file, dcp.load on any world size, the export to one checkpoint.pt.
+take_in(step) takes in 07's twins (step07_fault_tolerance) and 08's held_per_rank (09 takes the
+plain ones from common.py into its own namespace, where they are replaced), and replaces:
+- Commits by the one below: a save that fails on any rank (a full disk) removes its folder on
+  every rank's word, in one line; small files written atomically; run.json records the run's
+  settings; a link planted at a folder's name is refused; only folders 09 names are removed;
+- own_checkpoint by one that adopts only this run's folder (its run.json);
+- resume and export by checked ones: a complete folder, read without running code (SafeReader,
+  SafePlanner in dcp_reading.py, whose names are re-exported here: torch 2.14's DCP reads
+  `.metadata` with plain pickle and saved values with weights_only=False), its values and
+  sample order checked, every rank's random state checked on every rank together.
 """
 
 from __future__ import annotations
@@ -33,47 +31,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from . import checkpoint, errors, step07_fault_tolerance as fault_tolerance
+from . import checkpoint, errors, step07_fault_tolerance as fault_tolerance, step08_fsdp2
 from .errors import UserError, first_line
 from .model import build_model
 from .ranks import log
 from .schedule import LRSchedule
 from .dcp_reading import (  # noqa: F401 -- re-exported: tests and 09 use them here
-    METADATA_GLOBALS, MetadataUnpickler, SafeReader, OutsideFolder, check_inside, UnreadableFile, why, SafePlanner, complete_folder, first_failure, root_cause, one_line_errors, raise_interrupts, load)
-
-
-def rng_state(folder: Path, run) -> dict | None:
-    """This rank's random state as the checkpoint saved it, when the checkpoint was written by as
-    many ranks as this run has; otherwise None (the streams of another world size differ).
-    Every rank reads its own file, so every rank learns whether all could: a rank whose file
-    is damaged would otherwise leave the others waiting in the next collective until
-    --timeout. All stop with the first damaged file's line (exit 2)."""
-    saved = sorted(folder.glob("rng-rank*.pt"))
-    if len(saved) != run.world_size:
-        log(run, f"note: the checkpoint was written by {len(saved)} ranks, this run has "
-                 f"{run.world_size}: random streams restart from the seed")
-        return None
-    path = folder / f"rng-rank{run.rank}.pt"
-    state, failed = None, None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # to the CPU: see 07
-        if not (isinstance(state, dict) and torch.is_tensor(state.get("cpu"))
-                and state["cpu"].dtype == torch.uint8):
-            failed = (f"{path} is damaged or is not a random state; not loading it (a "
-                      f"{type(state).__name__} without a CPU random state)")
-    except Exception as err:  # noqa: BLE001 -- not plain data, empty, truncated, ...
-        failed = f"{path} is damaged or is not a random state; not loading it ({why(err)})"
-    problem = None if failed else checkpoint.rng_problem(state)  # 07's check: torch can set it
-    if problem:
-        failed = f"{path} is damaged or is not a random state; not loading it ({problem})"
-    everyone = [failed]
-    if dist.is_initialized():
-        everyone = [None] * run.world_size
-        dist.all_gather_object(everyone, failed)
-    failed = next((reason for reason in everyone if reason), None)
-    if failed:
-        raise UserError(failed)
-    return state
+    METADATA_GLOBALS, MetadataUnpickler, SafeReader, OutsideFolder, check_inside, UnreadableFile, why, SafePlanner, complete_folder, first_failure, root_cause, one_line_errors, raise_interrupts, load, rng_state)
 
 
 # ---------------------------------------------------------------- which run wrote a checkpoint
@@ -251,6 +215,33 @@ class Commits:
         os.replace(temporary, link)  # the commit: the link now names the new folder
 
 
+def load_into(path: Path, model, optimizer, scheduler) -> tuple[Path, dict]:
+    """09's load(), checked: the folder `path` names is complete, is read without running code,
+    and its epoch, position and schedule agree. Returns the folder and those saved values (the
+    schedule's state not yet loaded: export adapts it first)."""
+    folder = complete_folder(path)
+    model_state, optim_state = get_state_dict(model, optimizer)  # this run's shard layout
+    state = {"model": model_state, "optim": optim_state,
+             "extra": {"epoch": 0, "position": {"step": 0, "loss_sum": 0.0, "samples": 0},
+                       "scheduler": scheduler.state_dict()}}
+    load(state, folder)
+    checkpoint.check_values(state["extra"], folder)  # an edited epoch or position: one line
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return folder, state["extra"]
+
+
+def resume(path: Path, run, model, optimizer, scheduler, settings: dict):
+    """09's resume(), checked: the epoch to continue, the position in it, this rank's RNG."""
+    folder, saved = load_into(path, model, optimizer, scheduler)
+    scheduler.load_state_dict(saved["scheduler"])
+    position = saved["position"]
+    check_same_sample_order(folder, position, settings)  # mid-epoch: 07's check
+    rng = rng_state(folder, run) if position["step"] else None  # same world size only
+    log(run, f"resumed from {folder} at step {position['step']} of epoch {saved['epoch'] + 1}")
+    return saved["epoch"], position, rng
+
+
 def export(path: Path | None, out: Path, args) -> None:
     """`09_distributed_checkpoint.py export --resume PATH`: the checkpoint as one plain
     checkpoint.pt that a plain Net loads with weights_only=True, and `00_single_gpu.py --resume`
@@ -258,28 +249,26 @@ def export(path: Path | None, out: Path, args) -> None:
     errors.stop_signals_end_now()  # nothing to save on SIGTERM: one line, exit 143 (not silent)
     if path is None:
         raise UserError("export needs --resume PATH: the checkpoint to export")
-    folder = complete_folder(path)
     model = build_model(args, seed=args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = LRSchedule(optimizer)  # the template: the saved state is copied as it is
     # Without a process group, dcp.load reads every shard of every rank into whole tensors:
     # the same safe load as a resume, into a plain model in this one process.
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state,
-             "extra": {"epoch": 0, "position": {"step": 0, "loss_sum": 0.0, "samples": 0},
-                       "scheduler": scheduler.state_dict()}}
     with warnings.catch_warnings():  # "assuming the intent is to ... a single process": it is
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        load(state, folder)
-    checkpoint.check_values(state["extra"], folder)  # the epoch, position and schedule agree
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    scheduler.steps_per_epoch = state["extra"]["scheduler"]["steps_per_epoch"]  # no conversion
-    scheduler.base_lrs = list(state["extra"]["scheduler"]["base_lrs"])  # the saved --lr, kept
-    scheduler.load_state_dict(state["extra"]["scheduler"])
-    position = state["extra"]["position"]  # kept: 00-06 refuse to continue mid-epoch
-    checkpoint.save(out, model, optimizer, scheduler, state["extra"]["epoch"],
+        _, saved = load_into(path, model, optimizer, scheduler)
+    scheduler.steps_per_epoch = saved["scheduler"]["steps_per_epoch"]  # no conversion
+    scheduler.base_lrs = list(saved["scheduler"]["base_lrs"])  # the saved --lr, kept
+    scheduler.load_state_dict(saved["scheduler"])
+    position = saved["position"]  # kept: 00-06 refuse to continue mid-epoch
+    checkpoint.save(out, model, optimizer, scheduler, saved["epoch"],
                     position=position if position["step"] else None)
-    print(f"wrote {out}: the model, optimizer and scheduler after epoch "
-          f"{state['extra']['epoch']} (step {state['extra']['position']['step']} of the next)",
-          flush=True)
+    print(f"wrote {out}: the model, optimizer and scheduler after epoch {saved['epoch']} "
+          f"(step {position['step']} of the next)", flush=True)
+
+
+def take_in(step: dict) -> None:
+    """07's twins, 08's held_per_rank, then 09's own (above)."""
+    fault_tolerance.take_in(step)
+    step.update(held_per_rank=step08_fsdp2.held_per_rank, Commits=Commits,
+                own_checkpoint=own_checkpoint, resume=resume, export=export)

@@ -24,7 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, base_env,
-                      frames_of_ours, read_summary, run_step, torchrun_cmd)
+                      copied_run_killed_at_step_27, frames_of_ours, launch, read_summary,
+                      run_step, torchrun_cmd)
 from harness import step09_dcp_checkpoint as dcp_checkpoint
 from harness.errors import UserError
 from harness.model import Net
@@ -123,6 +124,29 @@ def test_a_rank_killed_mid_save_resumes_from_the_previous_checkpoint_exactly(
     assert max_difference(final_weights(tmp_path), final_weights(runs["straight"]["out"])) == 0
     assert sorted(p.name for p in tmp_path.glob("checkpoint*")) == [
         "checkpoint", "checkpoint-epoch2-end"]  # older and unfinished folders are gone
+
+
+def test_a_copied_09_killed_and_restarted_ends_as_the_uninterrupted_run(runs, mnist_root,
+                                                                        tmp_path):
+    """09 and common.py in an empty folder, without harness/: its plain dcp.async_save, the
+    link it switches to commit a folder, and dcp.load carry a run killed at step 7 of epoch 2
+    to the repository's uninterrupted test loss and accuracy, and its export loads plainly.
+    (The save of step 4 of epoch 2 is committed by the next save, which the kill prevents: the
+    restart continues from the end of epoch 1.)"""
+    proc = copied_run_killed_at_step_27(STEP, [*RESTART_ARGS, "--data-dir", mnist_root],
+                                        tmp_path)
+    assert "checkpoint-epoch1-end at step 0 of epoch 2" in proc.stdout, proc.stdout
+    assert "FLOP/s" not in proc.stdout and "test accuracy" in proc.stdout, proc.stdout
+    copied, straight = read_summary(tmp_path / "out"), read_summary(runs["straight"]["out"])
+    assert (copied["test_loss"], copied["test_accuracy"]) == (straight["test_loss"],
+                                                              straight["test_accuracy"])
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint*")) == [
+        "checkpoint", "checkpoint-epoch2-end"]
+    launch([sys.executable, STEP, "export", "--resume", tmp_path / "out" / "checkpoint",
+            "--out-dir", tmp_path / "export"], cwd=tmp_path / "copied")
+    plain = torch.load(tmp_path / "export" / "checkpoint.pt", weights_only=True)
+    Net().load_state_dict(plain["model"])  # strict: the keys of a plain Net
+    assert max_difference(plain["model"], final_weights(runs["straight"]["out"])) == 0.0
 
 
 def test_the_exported_checkpoint_loads_plainly_and_evaluates_the_same(runs, mnist_root,
