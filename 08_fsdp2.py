@@ -3,7 +3,8 @@
 Built on step 07. DDP keeps the whole model, its gradients and optimizer state on every rank;
 `fully_shard` (FSDP2) keeps 1/N of each, and gathers a layer's weights only while it computes.
 The model is built on the meta device (no memory) and filled from rank 0's copy. Checkpoints are
-07's: one file, gathered to rank 0. What is not sharded, mixed precision, HSDP: docs/fsdp.md.
+07's (its restart mechanics now come from common.py): one file, gathered to rank 0. What is not
+sharded, mixed precision, HSDP: docs/fsdp.md.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -17,10 +18,8 @@ Look for: "each rank holds 599,941 of the 1,199,882 parameters"; peak_memory_mib
 try: import harness  # noqa: E701, F401
 except ModuleNotFoundError: pass  # noqa: E701
 import argparse
-import itertools
 import os
 import resource
-import signal
 import sys
 
 import torch
@@ -30,85 +29,16 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.data import DistributedSampler, Subset
+from torch.utils.data import Subset
 
 import common
+from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest, any_rank,  # 07's
+                    ignore_stop_signals, restarted, rng_state, run_settings, set_rng_state)
 
 if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed the gradients
     print(f"error: 08_fsdp2.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 summed gradients "
           f"instead of averaging them); this is torch {torch.__version__}", file=sys.stderr)
     sys.exit(2)
-
-EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
-# SLURM's SIGTERM (USR1/USR2 with --signal) and what else torchrun forwards to its workers.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # steps done, and their sums
-
-
-class ResumableSampler(DistributedSampler):
-    """Step 05's sampler, able to start mid-epoch: the same seed and epoch give the same order,
-    so skipping the `skip` samples a checkpoint covers skips exactly those already trained."""
-
-    skip = 0
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-    def __len__(self):
-        return super().__len__() - self.skip
-
-
-def any_rank(run, flag: bool) -> bool:
-    """True on every rank if `flag` is True on any (a collective: every rank calls it)."""
-    votes = torch.tensor(float(flag), device=run.device)
-    dist.all_reduce(votes)
-    return bool(votes > 0)
-
-
-class StopRequest:
-    """A stop signal means "stop soon" (SLURM kills 30 s after its SIGTERM). The handler only
-    takes note: after each step the ranks vote, and all save at the same step."""
-
-    def __init__(self):
-        self.requested = None  # the name of the signal that asked this rank to stop
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self.note)
-
-    def note(self, signum, frame):
-        self.requested = signal.Signals(signum).name
-
-    def agreed(self, run) -> bool:
-        return any_rank(run, self.requested is not None)
-
-
-def ignore_stop_signals(worker_id):
-    """DataLoader workers get SLURM's SIGTERM too: they ignore it and end with their rank."""
-    common.seed_worker(worker_id)
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
-def rng_state() -> dict:
-    """What this rank's dropout draws next: the CPU's generator (and the GPU's, if used)."""
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}
-    return {"cpu": torch.get_rng_state(), **cuda}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"].cpu())  # (.cpu(): a checkpoint may load to the GPU)
-    if "cuda" in state and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(state["cuda"].cpu())
-
-
-def restarted() -> bool:
-    """True in a group that torchrun restarted, or a job that SLURM requeued."""
-    return any(int(os.environ.get(name, 0)) > 0
-               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-
-
-def run_settings(args, plan, train_set) -> dict:
-    """What orders an epoch's samples: a mid-epoch resume needs the same (saved with each)."""
-    return {"train_samples": len(train_set), "seed": args.seed, "global_batch": plan.global_batch}
 
 
 def own_checkpoint(latest, settings, run):

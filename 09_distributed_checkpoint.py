@@ -14,9 +14,9 @@ Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh
 Look for: "checkpoint ...: 0.0x s blocking training, then 0.x s in the background".
 """
 
-import contextlib
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
-with contextlib.suppress(ModuleNotFoundError): import harness  # noqa: E701, F401
+try: import harness  # noqa: E701, F401
+except ModuleNotFoundError: pass  # noqa: E701
 import os
 import shutil
 import sys
