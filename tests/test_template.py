@@ -1,6 +1,8 @@
 """train_template.py, copied alone into an empty folder as a user starts a project: it trains on
 2 CPU ranks, ends with the uninterrupted run's weights bit for bit after a kill -9 or a SIGTERM
-(and a requeue), and its --check passes on 2 and 3 ranks and names a planted DDP mistake."""
+(and a requeue), and its --check passes on 2 and 3 ranks and names a planted DDP mistake. The
+two ports in examples/ pass --check and resume bit for bit too; resnet18's plain BatchNorm fails
+--check, and its CPU BatchNorm converter computes what nn.BatchNorm2d does."""
 
 from __future__ import annotations
 
@@ -203,6 +205,37 @@ def test_the_resnet18_port_resumes_to_the_same_weights_after_kill_9(tmp_path):
     assert_same_weights(weights(out, epochs=1), weights(tmp_path / "whole", epochs=1))
 
 
+def resnet18_port():
+    """examples/resnet18_digits.py as a module (its main() does not run)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("resnet18_digits", RESNET)
+    port = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(port)
+    return port
+
+
+def test_the_resnet18_port_with_plain_batchnorm_prints_the_saved_models_test_loss(tmp_path):
+    """--bn plain: each rank's running statistics follow its own samples, and a rank that
+    evaluated with its own would print a mix of models. The template broadcasts rank 0's before
+    evaluating: the printed test loss is what the saved model scores, in one process."""
+    import argparse
+    import re
+    import torch.nn.functional as F
+
+    out = tmp_path / "plain"
+    proc = launch(torchrun_cmd(2, RESNET, *RESNET_RUN, "--bn", "plain", "--out-dir", out),
+                  cwd=tmp_path)
+    printed = float(re.search(r"test loss (\d+\.\d+)", proc.stdout).group(1))
+    port = resnet18_port()
+    args = argparse.Namespace(train_samples=256, test_samples=64, bn="plain")
+    images, labels = port.build_datasets(args)[1].tensors
+    model = port.build_model(args)
+    model.load_state_dict(weights(out, epochs=1))
+    with torch.no_grad():
+        loss = F.cross_entropy(model.eval()(images), labels).item()
+    assert abs(loss - printed) <= 6e-5, (loss, printed)  # (printed to 4 decimals)
+
+
 @pytest.fixture
 def one_process_group():
     """A gloo group of one, in this process: the converted BatchNorm all-reduces (over itself)."""
@@ -216,12 +249,9 @@ def test_the_cpu_batchnorm_converter_computes_what_batchnorm2d_does(one_process_
     """Two passes (the mean, then the squared deviations around it) where a channel's mean is
     100 times its spread: outputs and input gradients within 1e-4 of nn.BatchNorm2d, and the
     same running statistics; E[x^2] - mean^2 in one pass misses that bound."""
-    import importlib.util
     import torch.nn as nn
 
-    spec = importlib.util.spec_from_file_location("resnet18_digits", RESNET)
-    port = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(port)
+    port = resnet18_port()
     torch.manual_seed(0)
     bn = nn.BatchNorm2d(4, momentum=0.2)
     nn.init.uniform_(bn.weight, 0.5, 2)
