@@ -59,7 +59,6 @@ def add_flags(parser):  # YOURS: your own flags, of plain types (a restart check
 
 def parse_flags():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_flags(p)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=128, help="GLOBAL: all ranks together")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
@@ -72,6 +71,7 @@ def parse_flags():
     p.add_argument("--amp", action="store_true", help="bf16, or fp16 on GPUs without bf16")
     p.add_argument("--check", action="store_true", help="compare with one process, then exit")
     p.add_argument("--check-steps", type=int, default=3)
+    add_flags(p)  # after the template's: its set_defaults() can change theirs
     args, world = p.parse_args(), int(os.environ.get("WORLD_SIZE", 1))
     if min(args.epochs, args.batch_size, args.accumulation, args.checkpoint_every,
            args.check_steps) < 1 or not (0 < args.lr < 1e9 and 0 <= args.max_norm < 1e9):

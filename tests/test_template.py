@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import subprocess
 import time
@@ -146,6 +147,7 @@ def test_bad_flags_are_one_line_before_any_work(folder):
     assert f'{TEMPLATE}", line' not in proc.stderr, proc.stderr  # no traceback through it
 
 
+MID_EPOCH = re.compile(r"resumed at step [1-9]\d* of epoch 1")
 PORT = REPO / "examples" / "char_transformer.py"
 PORT_RUN = ["--chars", "20000", "--epochs", "1", "--checkpoint-every", "5"]
 
@@ -166,7 +168,7 @@ def test_the_transformer_port_resumes_to_the_same_weights_after_kill_9(tmp_path)
                                     torchrun_extra=("--max-restarts", "1"), script=PORT,
                                     args=PORT_RUN,
                                     env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
-    assert code == 0 and "resumed at step" in output, output
+    assert code == 0 and MID_EPOCH.search(output), output  # (not after the epoch's end)
     assert_same_weights(weights(out, epochs=1), weights(tmp_path / "whole", epochs=1))
 
 
@@ -201,7 +203,7 @@ def test_the_resnet18_port_resumes_to_the_same_weights_after_kill_9(tmp_path):
                                     torchrun_extra=("--max-restarts", "1"), script=RESNET,
                                     args=RESNET_RUN,
                                     env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
-    assert code == 0 and "resumed at step" in output, output
+    assert code == 0 and MID_EPOCH.search(output), output  # (not after the epoch's end)
     assert_same_weights(weights(out, epochs=1), weights(tmp_path / "whole", epochs=1))
 
 
@@ -219,7 +221,6 @@ def test_the_resnet18_port_with_plain_batchnorm_prints_the_saved_models_test_los
     evaluated with its own would print a mix of models. The template broadcasts rank 0's before
     evaluating: the printed test loss is what the saved model scores, in one process."""
     import argparse
-    import re
     import torch.nn.functional as F
 
     out = tmp_path / "plain"
