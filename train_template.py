@@ -1,16 +1,13 @@
 """Your model under DDP: the template to copy. One file, torch only; it runs alone.
 
-Change the parts marked YOURS (datasets, model, a batch's loss and evaluation sums, optimizer and
-schedule, your flags); the rest is steps 02-07's loop: a sampler, seeding, exact evaluation,
-accumulation with no_sync, clipping, bf16 or fp16, checkpoints with exact resume after a kill or
-SIGTERM, torch.compile.
+Change the parts marked YOURS: datasets, model, a batch's loss and evaluation sums, optimizer and
+schedule, your flags. The rest is steps 02-07's loop: a sampler, seeding, exact evaluation,
+accumulation with no_sync, clipping, bf16 or fp16, torch.compile, checkpoints with exact resume.
+How to port, and what --check proves (exit 0: DDP computes what one process does): docs/porting.md
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
         --max-restarts 3 train_template.py   # continues after a kill, from its checkpoint
     torchrun --standalone --nproc-per-node 2 train_template.py --check
-
---check exits 0 only where your DDP computes what one process computes, at the first step and
-after --check-steps, and ends with a "diagnosis:" line. How to port: docs/porting.md.
 """
 
 import argparse
@@ -20,7 +17,6 @@ import itertools
 import math
 import os
 import signal
-import sys
 from contextlib import nullcontext
 
 import torch
@@ -32,48 +28,37 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # float32 and bf16 need none
 
-
 def build_datasets(args):  # YOURS: (train, test), map-style datasets of (input, target)
     g = torch.Generator().manual_seed(1234)  # the same synthetic data on every rank and run
     x, teacher = torch.randn(5120, 32, generator=g), torch.randn(32, 8, generator=g)
     y = (x @ teacher + 0.5 * torch.randn(5120, 8, generator=g)).argmax(1)
     return TensorDataset(x[:4096], y[:4096]), TensorDataset(x[4096:], y[4096:])
 
-
 def build_model(args):  # YOURS (BatchNorm on GPUs: nn.SyncBatchNorm.convert_sync_batchnorm)
     return nn.Sequential(nn.Linear(32, 128), nn.LayerNorm(128), nn.GELU(), nn.Dropout(0.1),
                          nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 8))
-
 
 def batch_loss(model, batch):  # YOURS: the MEAN loss over the batch's samples
     inputs, targets = batch
     return F.cross_entropy(model(inputs), targets)
 
-
 def eval_sums(model, batch):  # YOURS: sums over a batch, added up over ranks: [loss, correct, n]
     inputs, targets = batch
     logits = model(inputs).float()
-    count = torch.tensor(len(targets), device=logits.device)  # (stack takes one device)
     return torch.stack([F.cross_entropy(logits, targets, reduction="sum"),
-                        (logits.argmax(1) == targets).sum(), count])
-
+                        (logits.argmax(1) == targets).sum(), targets.new_tensor(len(targets))])
 
 def build_optimizer(model, args, total_steps):  # YOURS: the optimizer and its schedule
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = max(1, total_steps // 20)  # a linear warm-up, then a cosine decay to 0
-
-    def factor(step):
-        return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(
+        1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
 
 def add_flags(parser):  # YOURS: your own flags, of plain types (a restart checks them all)
     pass
 
-
 def parse_flags():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_flags(p)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=128, help="GLOBAL: all ranks together")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
@@ -86,6 +71,7 @@ def parse_flags():
     p.add_argument("--amp", action="store_true", help="bf16, or fp16 on GPUs without bf16")
     p.add_argument("--check", action="store_true", help="compare with one process, then exit")
     p.add_argument("--check-steps", type=int, default=3)
+    add_flags(p)  # after the template's: its set_defaults() can change theirs
     args, world = p.parse_args(), int(os.environ.get("WORLD_SIZE", 1))
     if min(args.epochs, args.batch_size, args.accumulation, args.checkpoint_every,
            args.check_steps) < 1 or not (0 < args.lr < 1e9 and 0 <= args.max_norm < 1e9):
@@ -99,7 +85,6 @@ def parse_flags():
                 "starts, or a restarted group reads the dead group's addresses in its store")
     return args
 
-
 def setup():
     """Join the process group (step 02): torchrun tells each process who it is."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # plain python: a world of one
@@ -112,15 +97,11 @@ def setup():
                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
     return device, dist.get_rank(), dist.get_world_size()
 
-
-def autocast(device, args):
-    """--amp: bf16 where the GPU computes it natively, else fp16 with a GradScaler (fp16's
-    small range would flush small gradients to zero)."""
-    fp16 = args.amp and device.type == "cuda" and not torch.cuda.is_bf16_supported(False)
-    return (torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16,
-                           enabled=args.amp and device.type == "cuda"),
-            torch.amp.GradScaler("cuda", enabled=fp16))
-
+def autocast(device, args):  # --amp: bf16 where the GPU computes it natively, else fp16
+    amp = args.amp and device.type == "cuda"
+    fp16 = amp and not torch.cuda.is_bf16_supported(False)  # (T4, V100)
+    return (torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16, enabled=amp),
+            torch.amp.GradScaler("cuda", enabled=fp16))  # else fp16 flushes small gradients
 
 class ResumableSampler(DistributedSampler):
     """The DistributedSampler, able to start mid-epoch: it skips what a checkpoint covers."""
@@ -132,17 +113,14 @@ class ResumableSampler(DistributedSampler):
     def __len__(self):
         return super().__len__() - self.skip
 
-
 def train_step(model, batch, optimizer, scheduler, scaler, amp, max_norm, parts):
     """One optimizer step in `parts` micro-batches; returns this rank's mean loss."""
     optimizer.zero_grad(set_to_none=True)  # (not after the step: --check reads the gradients)
-    micro_batches = list(zip(*(tensor.chunk(parts) for tensor in batch)))
     loss_sum = 0.0
-    for i, micro in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
+    for i, micro in enumerate(zip(*(tensor.chunk(parts) for tensor in batch))):
+        with model.no_sync() if i < parts - 1 and isinstance(model, DDP) else nullcontext():
             with amp:  # DDP all-reduces in the last backward only (no_sync before it)
-                loss = batch_loss(model, micro) / len(micro_batches)
+                loss = batch_loss(model, micro) / parts
             scaler.scale(loss).backward()  # (a disabled scaler: loss.backward())
         loss_sum += loss.detach()
     scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
@@ -152,7 +130,6 @@ def train_step(model, batch, optimizer, scheduler, scaler, amp, max_norm, parts)
     scaler.update()
     scheduler.step()
     return loss_sum
-
 
 @torch.no_grad()
 def evaluate(raw_model, loader, device, amp):
@@ -168,51 +145,47 @@ def evaluate(raw_model, loader, device, amp):
     dist.all_reduce(sums)
     return sums[0].item() / sums[2].item(), sums[1].item() / sums[2].item()
 
-
 def log(message):
     if dist.get_rank() == 0:  # every rank holds the same model: one speaks for all
         print(message, flush=True)
-
 
 def replay(model, optimizer, scheduler, gathered, args, ranks):
     """The step one process takes on the global batch (the i-th micro-batch of every rank, in
     the order `ranks`, in one forward: what SyncBatchNorm normalises over); what it left."""
     whole = [torch.stack([gathered[r][i].unflatten(0, (args.accumulation, -1)) for r in ranks],
                          dim=1).flatten(0, 2) for i in range(len(gathered[0]))]  # micro-major
-    return snapshot(model, train_step(model, whole, optimizer, scheduler, NO_SCALER,
-                                      nullcontext(), args.max_norm, args.accumulation))
+    return left(model, train_step(model, whole, optimizer, scheduler, NO_SCALER, nullcontext(),
+                                  args.max_norm, args.accumulation))
 
+def left(model, loss):  # what a step left (compared at once: no copies)
+    return {"loss": {"loss": loss.detach()}, "buffers": dict(model.named_buffers()),
+            "gradients": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+            "weights": {n: p.detach() for n, p in model.named_parameters()}}
 
-def snapshot(model, loss):
-    return {"loss": {"loss": loss.detach().cpu()},
-            "gradients": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is
-                          not None}, "buffers": dict(copy.deepcopy(list(model.named_buffers()))),
-            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
-
-
-def check(model, raw_model, optimizer, scheduler, loader, device, args, steps):
+def check(model, raw_model, optimizer, scheduler, loader, device, args):
     """--check: rank 0 replays each global batch as one process (the reference), and again with
     the ranks' samples in reverse order (the control: as right, rounded otherwise). DDP passes
     where it differs from the reference at most 10x as much as the control does."""
     for module in raw_model.modules():  # the ranks would draw other masks than one process
         if isinstance(module, (nn.Dropout, nn.MultiheadAttention)):
             setattr(module, "p" if isinstance(module, nn.Dropout) else "dropout", 0.0)
-    rank, world, verdict = dist.get_rank(), dist.get_world_size(), None
+    rank, world, verdict, solo = dist.get_rank(), dist.get_world_size(), None, dist.new_group([0])
     twins = [copy.deepcopy(raw_model) for _ in range(2)]  # reference, control: DDP's weights
-    optimizers = [build_optimizer(twin, args, steps) for twin in twins]
+    for module in (m for twin in twins for m in twin.modules() if hasattr(m, "process_group")):
+        module.process_group = solo  # SyncBatchNorm (or yours) replayed: over rank 0's batch
+    optimizers = [build_optimizer(twin, args, args.epochs * len(loader)) for twin in twins]
     for step, batch in zip(range(1, args.check_steps + 1), loader):
-        batch = [t.to(device) for t in batch]
-        loss = train_step(model, batch, optimizer, scheduler, NO_SCALER, nullcontext(),
-                          args.max_norm, args.accumulation)
+        loss = train_step(model, [t.to(device) for t in batch], optimizer, scheduler, NO_SCALER,
+                          nullcontext(), args.max_norm, args.accumulation)
         dist.all_reduce(loss)  # the sum of the ranks' means
         gathered = [None] * world
-        dist.all_gather_object(gathered, [t.cpu() for t in batch])
+        dist.all_gather_object(gathered, list(batch))  # (the loader's, on the CPU)
         if rank != 0:
             continue  # (every rank runs every step: the collectives pair up)
         if world > 1 and all(torch.equal(g[0], gathered[0][0]) for g in gathered[1:]):
             verdict = verdict or "the ranks trained the same samples: use a DistributedSampler"
         gathered = [[t.to(device) for t in g] for g in gathered]
-        ddp, ref, ctl = snapshot(raw_model, loss / world), *(
+        ddp, ref, ctl = left(raw_model, loss / world), *(
             replay(twin, *opt, gathered, args, order) for twin, opt, order in
             zip(twins, optimizers, (range(world), range(world - 1, -1, -1))))
         for kind in ("loss", "gradients", "buffers", "weights")[2 * (step > 1):]:
@@ -224,7 +197,6 @@ def check(model, raw_model, optimizer, scheduler, loader, device, args, steps):
                                     f"computes, within rounding, for {step} steps"))
     return int(failed.item())
 
-
 def compare(kind, step, ddp, reference, control):
     """One line: how far DDP is from the reference, beside the control's rounding."""
     (got, where), (floor, _) = (max(((a[k].double() - reference[k].double()).abs().max().item(),
@@ -232,13 +204,10 @@ def compare(kind, step, ddp, reference, control):
     ok = got <= 10 * floor + 1e-6  # (+1e-6: the control may round exactly as the reference)
     log(f"check step {step}, {kind}: off by {got:.3g} (rounding {floor:.3g})"
         f"{': ok' if ok else f' at {where}: DIFFERENT'}")
-    return None if ok else f"{kind} not as in one process at step {step} ({where}): {HINT[kind]}"
-
-
-HINT = {"loss": "BatchNorm per rank?", "buffers": "BatchNorm per rank: use SyncBatchNorm",
-        "gradients": "not averaged as one process would (clipping inside no_sync? a loss not "
-                     "the batch mean?)", "weights": "an optimizer or schedule per rank?"}
-
+    hint = {"loss": "BatchNorm per rank?", "buffers": "BatchNorm per rank: use SyncBatchNorm",
+            "gradients": "not averaged as one process would (clipping inside no_sync? a loss "
+                         "not the batch mean?)", "weights": "an optimizer or schedule per rank?"}
+    return None if ok else f"{kind} not as in one process at step {step} ({where}): {hint[kind]}"
 
 def main():
     args = parse_flags()
@@ -258,16 +227,13 @@ def main():
     steps = len(loader)  # per epoch
     optimizer, scheduler = build_optimizer(model, args, args.epochs * steps)
     if args.check:
-        return check(model, raw_model, optimizer, scheduler, loader, device, args,
-                     args.epochs * steps)
+        return check(model, raw_model, optimizer, scheduler, loader, device, args)
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "checkpoint.pt")
     kept = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-    settings = {k: v for k, v in vars(args).items() if k not in ("check", "check_steps",
-                                                                  "out_dir")}  # (movable)
-    # torchrun --max-restarts (after a kill) or a SLURM requeue started this again: resume
-    restarted = any(int(os.environ.get(n, 0)) for n in ("TORCHELASTIC_RESTART_COUNT",
-                                                        "SLURM_RESTART_COUNT"))
+    settings = {**vars(args), "out_dir": None, "check_steps": None}  # (movable; not training)
+    restarted = any(int(os.environ.get(n, 0)) for n in (  # torchrun after a kill, a requeue
+        "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))  # (SLURM): resume
     saved = torch.load(path, map_location="cpu", weights_only=True) if restarted and \
         os.path.exists(path) else {}  # (weights_only: loading runs no code from the file)
     start, done, rng = 0, 0, None
@@ -280,8 +246,7 @@ def main():
         rng = saved["rng"][rank] if len(saved["rng"]) == world else None
         log(f"resumed at step {done} of epoch {start + 1}")
 
-    def save(epoch, step):
-        """Every rank calls this: every rank's random state goes into the checkpoint."""
+    def save(epoch, step):  # every rank calls this: every rank's random state is kept
         states = [None] * world  # what dropout draws next, on each rank (exact resume)
         dist.all_gather_object(states, {"cpu": torch.get_rng_state(), **(
             {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})})
@@ -324,13 +289,11 @@ def main():
             f"test accuracy {100 * accuracy:.2f}%")
     return 0
 
-
 def run():
     code = main()
     gc.collect()  # main's DDP model holds the group: gone first, then the group (else aborts)
     dist.destroy_process_group()
-    sys.exit(code)
-
+    raise SystemExit(code)
 
 if __name__ == "__main__":
     run()

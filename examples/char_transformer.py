@@ -9,7 +9,7 @@ template's, unchanged. In your own project, put these functions in place of the 
     torchrun --standalone --nproc-per-node 2 examples/char_transformer.py --epochs 4
 
 Look for: --check passes on 2 and 3 ranks, though after 3 AdamW steps the weights differ from
-one process by about 1e-5: as much as the control's rounding does (docs/porting.md).
+one process by a few 1e-6: as much as the control's rounding does (docs/porting.md).
 """
 
 import argparse

@@ -1,10 +1,14 @@
 """train_template.py, copied alone into an empty folder as a user starts a project: it trains on
 2 CPU ranks, ends with the uninterrupted run's weights bit for bit after a kill -9 or a SIGTERM
-(and a requeue), and its --check passes on 2 and 3 ranks and names a planted DDP mistake."""
+(and a requeue), and its --check passes on 2 and 3 ranks and names a planted DDP mistake. The
+two ports in examples/ pass --check and resume bit for bit too; resnet18's plain BatchNorm fails
+--check, and its CPU BatchNorm converter computes what nn.BatchNorm2d does."""
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import signal
 import subprocess
 import time
@@ -143,6 +147,7 @@ def test_bad_flags_are_one_line_before_any_work(folder):
     assert f'{TEMPLATE}", line' not in proc.stderr, proc.stderr  # no traceback through it
 
 
+MID_EPOCH = re.compile(r"resumed at step [1-9]\d* of epoch 1")
 PORT = REPO / "examples" / "char_transformer.py"
 PORT_RUN = ["--chars", "20000", "--epochs", "1", "--checkpoint-every", "5"]
 
@@ -163,5 +168,112 @@ def test_the_transformer_port_resumes_to_the_same_weights_after_kill_9(tmp_path)
                                     torchrun_extra=("--max-restarts", "1"), script=PORT,
                                     args=PORT_RUN,
                                     env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
-    assert code == 0 and "resumed at step" in output, output
+    assert code == 0 and MID_EPOCH.search(output), output  # (not after the epoch's end)
     assert_same_weights(weights(out, epochs=1), weights(tmp_path / "whole", epochs=1))
+
+
+RESNET = REPO / "examples" / "resnet18_digits.py"
+# 8 steps of 32 digits at 3x32x32: a checkpoint every 2, so a kill lands mid-epoch
+RESNET_RUN = ["--train-samples", "256", "--test-samples", "64", "--batch-size", "32",
+              "--epochs", "1", "--checkpoint-every", "2"]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_the_resnet18_port_passes_check_with_synchronised_batchnorm(nproc, tmp_path):
+    """--bn sync (the default): on the CPU every BatchNorm is the port's AllReducedBatchNorm;
+    outputs, gradients, running statistics and weights are one process's within rounding."""
+    proc = launch(torchrun_cmd(nproc, RESNET, "--check", *RESNET_RUN[:4], "--batch-size",
+                               16 * nproc), cwd=tmp_path)
+    assert "check step 1, buffers: off by" in proc.stdout, proc.stdout  # BatchNorm's, compared
+    assert f"diagnosis: DDP on {nproc} ranks computes what one process computes" in proc.stdout
+
+
+def test_the_resnet18_port_with_plain_batchnorm_fails_check(tmp_path):
+    proc = launch(torchrun_cmd(2, RESNET, "--check", "--bn", "plain", *RESNET_RUN[:6]),
+                  cwd=tmp_path, check=False)
+    assert proc.returncode != 0, proc.stdout
+    last = [line for line in proc.stdout.splitlines() if line.startswith("diagnosis:")]
+    assert len(last) == 1 and "BatchNorm" in last[0], proc.stdout
+
+
+def test_the_resnet18_port_resumes_to_the_same_weights_after_kill_9(tmp_path):
+    launch(torchrun_cmd(2, RESNET, *RESNET_RUN, "--out-dir", tmp_path / "whole"), cwd=tmp_path)
+    out = tmp_path / "killed"
+    code, output = start_and_signal(tmp_path, out, signal.SIGKILL, worker=True,
+                                    torchrun_extra=("--max-restarts", "1"), script=RESNET,
+                                    args=RESNET_RUN,
+                                    env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+    assert code == 0 and MID_EPOCH.search(output), output  # (not after the epoch's end)
+    assert_same_weights(weights(out, epochs=1), weights(tmp_path / "whole", epochs=1))
+
+
+def resnet18_port():
+    """examples/resnet18_digits.py as a module (its main() does not run)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("resnet18_digits", RESNET)
+    port = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(port)
+    return port
+
+
+def test_the_resnet18_port_with_plain_batchnorm_prints_the_saved_models_test_loss(tmp_path):
+    """--bn plain: each rank's running statistics follow its own samples, and a rank that
+    evaluated with its own would print a mix of models. The template broadcasts rank 0's before
+    evaluating: the printed test loss is what the saved model scores, in one process."""
+    import argparse
+    import torch.nn.functional as F
+
+    out = tmp_path / "plain"
+    proc = launch(torchrun_cmd(2, RESNET, *RESNET_RUN, "--bn", "plain", "--out-dir", out),
+                  cwd=tmp_path)
+    printed = float(re.search(r"test loss (\d+\.\d+)", proc.stdout).group(1))
+    port = resnet18_port()
+    args = argparse.Namespace(train_samples=256, test_samples=64, bn="plain")
+    images, labels = port.build_datasets(args)[1].tensors
+    model = port.build_model(args)
+    model.load_state_dict(weights(out, epochs=1))
+    with torch.no_grad():
+        loss = F.cross_entropy(model.eval()(images), labels).item()
+    assert abs(loss - printed) <= 6e-5, (loss, printed)  # (printed to 4 decimals)
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo group of one, in this process: the converted BatchNorm all-reduces (over itself)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_cpu_batchnorm_converter_computes_what_batchnorm2d_does(one_process_group):
+    """Two passes (the mean, then the squared deviations around it) where a channel's mean is
+    100 times its spread: outputs and input gradients within 1e-4 of nn.BatchNorm2d, and the
+    same running statistics; E[x^2] - mean^2 in one pass misses that bound."""
+    import torch.nn as nn
+
+    port = resnet18_port()
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4, momentum=0.2)
+    nn.init.uniform_(bn.weight, 0.5, 2)
+    nn.init.uniform_(bn.bias, -1, 1)
+    model = port.convert_batchnorm(nn.Sequential(copy.deepcopy(bn), nn.BatchNorm1d(3)))
+    assert [type(m).__name__ for m in model] == ["AllReducedBatchNorm"] * 2  # every kind
+    converted, weight = model[0], torch.randn(8, 4, 6, 6)
+    for _ in range(3):  # the running statistics: momentum, and the unbiased variance
+        x = 100 + torch.randn(8, 4, 6, 6) * torch.tensor([1.0, 3, 0.5, 2]).view(1, -1, 1, 1)
+        found = []
+        for layer in (bn, converted):
+            x_ = x.clone().requires_grad_()
+            y = layer(x_)
+            (y * weight).sum().backward()
+            found.append((y.detach(), x_.grad))
+        (y, grad), (y_ours, grad_ours) = found
+        assert (y - y_ours).abs().max() < 1e-4 and (grad - grad_ours).abs().max() < 1e-4
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.allclose(getattr(bn, name), getattr(converted, name), rtol=1e-5), name
+    x_ = x.clone().requires_grad_()  # the one-pass variance, as a hand-written BatchNorm might
+    mean, square = x_.mean((0, 2, 3), keepdim=True), (x_ ** 2).mean((0, 2, 3), keepdim=True)
+    y_one_pass = (x_ - mean) / torch.sqrt(square - mean ** 2 + bn.eps) * bn.weight.view(
+        1, -1, 1, 1) + bn.bias.view(1, -1, 1, 1)
+    assert (y - y_one_pass).abs().max() > 1e-4  # (the bound above is not loose)
