@@ -111,22 +111,24 @@ def loss_of(logits, aux, labels):
 class AllReducedBatchNorm2d(nn.BatchNorm2d):
     """BatchNorm over the global batch, written out for the CPU: torch 2.15's SyncBatchNorm
     refuses CPU tensors in training ("SyncBatchNorm expected input tensor to be on GPU or XPU",
-    nn/modules/batchnorm.py). One all-reduce of each channel's sum, sum of squares and count
-    gives every rank the global mean and variance. The all-reduce is the differentiable one:
-    its backward all-reduces the gradients of those sums, so each rank's input also gets the
-    gradient that reaches it through the other ranks' losses, as in one process. (torch's
-    SyncBatchNorm all-gathers each rank's mean, 1/std and count instead: the same numbers.)"""
+    nn/modules/batchnorm.py). One all-reduce of each channel's sum and count gives every rank the
+    global mean; a second, of the squared deviations around it, the variance. (Two passes: in
+    one, E[x^2] - mean^2 loses the variance to rounding where a channel's mean is large beside
+    its spread.) The all-reduce is the differentiable one: its backward all-reduces the
+    gradients, so each rank's input also gets the gradient that reaches it through the other
+    ranks' losses, as in one process. (torch's SyncBatchNorm all-gathers each rank's mean,
+    1/std and count instead: the same numbers.)"""
 
     def forward(self, x):
         if not self.training:
             return super().forward(x)  # the running statistics: nothing to synchronise
         per_channel = x.transpose(0, 1).flatten(1)  # channels x (samples * pixels)
         count = per_channel.new_tensor([per_channel.shape[1]])
-        sums = torch.cat([per_channel.sum(1), (per_channel ** 2).sum(1), count])
-        sums = differentiable.all_reduce(sums)  # SUM over ranks, gradients too
-        total, squares, count = sums.split([self.num_features, self.num_features, 1])
-        mean = total / count
-        var = squares / count - mean ** 2  # biased, as BatchNorm normalises
+        sums = differentiable.all_reduce(torch.cat([per_channel.sum(1), count]))  # SUM, grads too
+        total, count = sums.split([self.num_features, 1])
+        mean = total / count  # pass 1: the global mean
+        squares = differentiable.all_reduce(((per_channel - mean[:, None]) ** 2).sum(1))
+        var = squares / count  # pass 2: biased, as BatchNorm normalises
         with torch.no_grad():  # what BatchNorm keeps: the unbiased variance, momentum 0.1
             self.running_mean.lerp_(mean, self.momentum)
             self.running_var.lerp_(var * count / (count - 1), self.momentum)

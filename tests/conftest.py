@@ -175,6 +175,15 @@ class LazyRuns(dict):
         return self[name]
 
 
+@pytest.fixture
+def one_process_group():
+    """A gloo group of one, in this process: a hand-written BatchNorm all-reduces (over itself)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def read_summary(out_dir: Path) -> dict:
     return json.loads((out_dir / "summary.json").read_text())
 

@@ -237,15 +237,6 @@ def test_the_resnet18_port_with_plain_batchnorm_prints_the_saved_models_test_los
     assert abs(loss - printed) <= 6e-5, (loss, printed)  # (printed to 4 decimals)
 
 
-@pytest.fixture
-def one_process_group():
-    """A gloo group of one, in this process: the converted BatchNorm all-reduces (over itself)."""
-    import torch.distributed as dist
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_the_cpu_batchnorm_converter_computes_what_batchnorm2d_does(one_process_group):
     """Two passes (the mean, then the squared deviations around it) where a channel's mean is
     100 times its spread: outputs and input gradients within 1e-4 of nn.BatchNorm2d, and the
