@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import common
-from conftest import REPO, assert_no_traceback, copy_out, launch, run_step, torchrun_cmd
+from conftest import (REPO, LazyRuns, assert_no_traceback, copy_out, launch, run_step,
+                      torchrun_cmd)
 
 BUGS = ["sampler", "unused", "batchnorm", "clip", "checkpointing", "save"]
 RUNS = [("fix", 2), ("fix", 3), *[(bug, 2) for bug in BUGS],
@@ -43,9 +44,14 @@ COPY_GUARD_SECONDS = 120  # issue 44: a copied 11 plants its bug and ends within
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, mnist_root):
     """(the finished process, its checks.json or None) per (bug or "fix", world size); its
-    --out-dir per (bug or "fix", world size, "out")."""
-    result = {}
-    for name, nproc in RUNS:
+    --out-dir per (bug or "fix", world size, "out"). Each of RUNS launched once, when a test
+    first reads it."""
+    def start(key):
+        if len(key) == 3:  # (name, nproc, "out"): the run's folder
+            runs[key[:2]]
+            return runs[key]
+        name, nproc = key
+        assert (name, nproc) in RUNS, key
         out = tmp_path_factory.mktemp(f"{name}{nproc}")
         args = FLAGS.get(name, ["--bug", name])
         if (name, nproc) == ("fix", 2):  # as a copied 11 trains: it has no synthetic digits
@@ -53,9 +59,11 @@ def runs(tmp_path_factory, mnist_root):
         proc = run_step("11_your_model.py", [*args, "--out-dir", out], nproc=nproc,
                         check=False, timeout=HANG_GUARD_SECONDS)
         checks = out / "checks.json"
-        result[name, nproc] = proc, json.loads(checks.read_text()) if checks.exists() else None
-        result[name, nproc, "out"] = out
-    return result
+        runs[name, nproc, "out"] = out
+        return proc, json.loads(checks.read_text()) if checks.exists() else None
+
+    runs = LazyRuns(start)
+    return runs
 
 
 def last_line(proc) -> str:
