@@ -16,7 +16,8 @@ import runpy
 import sys
 
 import pytest
-from conftest import REPO, assert_no_traceback, copy_out, launch, run_step, torchrun_cmd
+from conftest import (REPO, LazyRuns, assert_no_traceback, copy_out, launch, run_step,
+                      torchrun_cmd)
 
 BUG_TIMEOUT = 6  # seconds a collective waits: skip and uneven hang this long, then fail
 HANG_GUARD_SECONDS = 180  # a run that has not ended by then hangs (startup alone is ~10 s)
@@ -27,15 +28,17 @@ WORLDS = (2, 3)
 @pytest.fixture(scope="module")
 def bug_runs(tmp_path_factory):
     """Each bug once at 2 and once at 3 ranks, with the step's defaults (sized for the world
-    size: rank 0 gets one sample more) but a shorter timeout."""
-    runs = {}
-    for nproc in WORLDS:
-        for bug in BUGS:
-            out = tmp_path_factory.mktemp(f"{bug}{nproc}")
-            args = ["--bug", bug, "--timeout", BUG_TIMEOUT, "--out-dir", out]
-            runs[bug, nproc] = (out, run_step("10_debugging.py", args, nproc=nproc, check=False,
-                                              timeout=HANG_GUARD_SECONDS))
-    return runs
+    size: rank 0 gets one sample more) but a shorter timeout; launched when a test first reads
+    it."""
+    def start(key):
+        bug, nproc = key
+        assert bug in BUGS and nproc in WORLDS, key
+        out = tmp_path_factory.mktemp(f"{bug}{nproc}")
+        args = ["--bug", bug, "--timeout", BUG_TIMEOUT, "--out-dir", out]
+        return out, run_step("10_debugging.py", args, nproc=nproc, check=False,
+                             timeout=HANG_GUARD_SECONDS)
+
+    return LazyRuns(start)
 
 
 def diagnosis(proc) -> str:

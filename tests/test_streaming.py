@@ -19,8 +19,8 @@ import common
 from harness import step06_digits_h5 as digits_h5
 from harness.data import MNIST_MEAN, MNIST_STD, Digits
 
-from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, copy_out, launch,
-                      read_summary, run_step, torchrun_cmd)
+from conftest import (REPO, TRAIN_SAMPLES, LazyRuns, assert_no_traceback, base_env, copy_out,
+                      launch, read_summary, run_step, torchrun_cmd)
 
 STEP = REPO / "06_streaming_h5.py"
 
@@ -250,10 +250,9 @@ def rows(ranges):
 
 @pytest.fixture(scope="module")
 def runs(mnist_root, tmp_path_factory):
-    """Every launch this module needs, each once."""
+    """Every launch this module needs, each once, when a test first reads it."""
     root = tmp_path_factory.mktemp("streaming")
     data = ["--data-dir", mnist_root, "--h5-chunk", 64]
-    result = {"root": root}
 
     def probed(name, extra):
         out = root / name
@@ -261,28 +260,32 @@ def runs(mnist_root, tmp_path_factory):
         proc = launch(torchrun_cmd(2, REPO / "tests" / "h5_probe.py", STEP.name, *COMMON, *data,
                                    *extra, "--out-dir", out),
                       env=base_env(PROBE_DIR=out / "probe"), timeout=180)
-        result[name] = SimpleNamespace(stdout=proc.stdout, reads=read_probe(out / "probe"),
-                                       summary=read_summary(out))
+        return SimpleNamespace(stdout=proc.stdout, reads=read_probe(out / "probe"),
+                               summary=read_summary(out))
 
-    # `prepare` alone, with plain python: the file and nothing else (compressed, this once).
-    prepared = root / "prepared.h5"
-    proc = run_step(STEP.name, ["prepare", *COMMON, *data, "--h5-compression", "gzip",
-                                "--h5", prepared, "--out-dir", root / "prepare-out"])
-    result["prepare"] = SimpleNamespace(path=prepared, stdout=proc.stdout,
-                                        out=root / "prepare-out")
-    # 2 ranks x 2 workers; the file is missing, so the run converts the data first.
-    probed("two_workers", ["--h5", root / "converted.h5", "--epochs", 2, "--num-workers", 2])
-    # The prepared file, 1100 of its samples: 22 steps of 48, 44 samples dropped; no workers.
-    probed("remainder", ["--h5", prepared, "--epochs", 1, "--num-workers", 0,
-                         "--train-samples", 1100])
-    # Step 05 on the same data, for the accuracy to compare with.
-    run_step("05_multinode.py", [*COMMON, *data[:2], "--epochs", 2, "--out-dir", root / "05"])
-    result["05"] = read_summary(root / "05")
-    return result
+    def start(name):
+        if name == "prepare":  # `prepare` alone, with plain python: the file and nothing else
+            prepared = root / "prepared.h5"  # (compressed, this once)
+            proc = run_step(STEP.name, ["prepare", *COMMON, *data, "--h5-compression", "gzip",
+                                        "--h5", prepared, "--out-dir", root / "prepare-out"])
+            return SimpleNamespace(path=prepared, stdout=proc.stdout, out=root / "prepare-out")
+        if name == "two_workers":  # 2 ranks x 2 workers; no file yet: the run converts first
+            return probed(name, ["--h5", root / "converted.h5", "--epochs", 2,
+                                 "--num-workers", 2])
+        if name == "remainder":  # the prepared file, 1100 samples: 22 steps of 48, 44 dropped
+            return probed(name, ["--h5", runs["prepare"].path, "--epochs", 1,
+                                 "--num-workers", 0, "--train-samples", 1100])
+        assert name == "05", name  # step 05 on the same data, for the accuracy to compare with
+        run_step("05_multinode.py", [*COMMON, *data[:2], "--epochs", 2, "--out-dir", root / "05"])
+        return read_summary(root / "05")
+
+    runs = LazyRuns(start)
+    runs["root"] = root
+    return runs
 
 
 def test_prepare_writes_the_file_and_nothing_else(runs):
-    prepared = runs["prepare"]
+    prepared, _ = runs["prepare"], runs["two_workers"]  # (which converts the file it reads)
     assert list(prepared.out.iterdir()) == []  # no checkpoint, summary or TensorBoard file
     assert [p.name for p in runs["root"].glob(".*")] == []  # no temporary left
     with h5py.File(prepared.path) as f:
