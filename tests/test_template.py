@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, base_env, launch, torchrun_cmd
+from conftest import REPO, assert_normalises_as_batchnorm2d, base_env, launch, torchrun_cmd
 
 TEMPLATE = "train_template.py"
 # 64 steps an epoch: long enough for a signal to land mid-run, a few seconds on 2 CPU ranks
@@ -250,19 +250,7 @@ def test_the_cpu_batchnorm_converter_computes_what_batchnorm2d_does(one_process_
     nn.init.uniform_(bn.bias, -1, 1)
     model = port.convert_batchnorm(nn.Sequential(copy.deepcopy(bn), nn.BatchNorm1d(3)))
     assert [type(m).__name__ for m in model] == ["AllReducedBatchNorm"] * 2  # every kind
-    converted, weight = model[0], torch.randn(8, 4, 6, 6)
-    for _ in range(3):  # the running statistics: momentum, and the unbiased variance
-        x = 100 + torch.randn(8, 4, 6, 6) * torch.tensor([1.0, 3, 0.5, 2]).view(1, -1, 1, 1)
-        found = []
-        for layer in (bn, converted):
-            x_ = x.clone().requires_grad_()
-            y = layer(x_)
-            (y * weight).sum().backward()
-            found.append((y.detach(), x_.grad))
-        (y, grad), (y_ours, grad_ours) = found
-        assert (y - y_ours).abs().max() < 1e-4 and (grad - grad_ours).abs().max() < 1e-4
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        assert torch.allclose(getattr(bn, name), getattr(converted, name), rtol=1e-5), name
+    x, y = assert_normalises_as_batchnorm2d(bn, model[0])
     x_ = x.clone().requires_grad_()  # the one-pass variance, as a hand-written BatchNorm might
     mean, square = x_.mean((0, 2, 3), keepdim=True), (x_ ** 2).mean((0, 2, 3), keepdim=True)
     y_one_pass = (x_ - mean) / torch.sqrt(square - mean ** 2 + bn.eps) * bn.weight.view(

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import common
-from conftest import (REPO, LazyRuns, assert_no_traceback, copy_out, launch, run_step,
-                      torchrun_cmd)
+from conftest import (REPO, LazyRuns, assert_no_traceback, assert_normalises_as_batchnorm2d,
+                      copy_out, launch, run_step, torchrun_cmd)
 
 BUGS = ["sampler", "unused", "batchnorm", "clip", "checkpointing", "save"]
 RUNS = [("fix", 2), ("fix", 3), *[(bug, 2) for bug in BUGS],
@@ -229,16 +229,4 @@ def test_11s_batchnorm_by_hand_computes_what_batchnorm2d_does(one_process_group)
     nn.init.uniform_(bn.bias, -1, 1)
     by_hand = step["AllReducedBatchNorm2d"](4)
     by_hand.load_state_dict(bn.state_dict())
-    weight = torch.randn(8, 4, 6, 6)
-    for _ in range(3):  # the running statistics: momentum, and the unbiased variance
-        x = 100 + torch.randn(8, 4, 6, 6) * torch.tensor([1.0, 3, 0.5, 2]).view(1, -1, 1, 1)
-        found = []
-        for layer in (bn, by_hand):
-            x_ = x.clone().requires_grad_()
-            y = layer(x_)
-            (y * weight).sum().backward()
-            found.append((y.detach(), x_.grad))
-        (y, grad), (y_ours, grad_ours) = found
-        assert (y - y_ours).abs().max() < 1e-4 and (grad - grad_ours).abs().max() < 1e-4
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        assert torch.allclose(getattr(bn, name), getattr(by_hand, name), rtol=1e-5), name
+    assert_normalises_as_batchnorm2d(bn, by_hand)
