@@ -108,7 +108,7 @@ def loss_of(logits, aux, labels):
     return loss if aux is None else loss + 0.3 * F.cross_entropy(aux, labels)
 
 
-class AllReducedBatchNorm2d(nn.BatchNorm2d):
+class AllReducedBatchNorm(nn.modules.batchnorm._BatchNorm):  # (private: every BatchNorm's base)
     """BatchNorm over the global batch, written out for the CPU: torch 2.15's SyncBatchNorm
     refuses CPU tensors in training ("SyncBatchNorm expected input tensor to be on GPU or XPU",
     nn/modules/batchnorm.py). One all-reduce of each channel's sum and count gives every rank the
@@ -118,24 +118,48 @@ class AllReducedBatchNorm2d(nn.BatchNorm2d):
     gradients, so each rank's input also gets the gradient that reaches it through the other
     ranks' losses, as in one process. (torch's SyncBatchNorm all-gathers each rank's mean,
     1/std and count instead: the same numbers.)"""
+    process_group = None  # None: every rank (as SyncBatchNorm's; train_template --check sets it)
+
+    def _check_input_dim(self, x):  # any BatchNorm: 1d, 2d or 3d
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
 
     def forward(self, x):
         if not self.training:
             return super().forward(x)  # the running statistics: nothing to synchronise
         per_channel = x.transpose(0, 1).flatten(1)  # channels x (samples * pixels)
         count = per_channel.new_tensor([per_channel.shape[1]])
-        sums = differentiable.all_reduce(torch.cat([per_channel.sum(1), count]))  # SUM, grads too
-        total, count = sums.split([self.num_features, 1])
+        sums = differentiable.all_reduce(torch.cat([per_channel.sum(1), count]),
+                                         group=self.process_group)
+        total, count = sums.split([self.num_features, 1])  # (SUM, its gradients too)
         mean = total / count  # pass 1: the global mean
-        squares = differentiable.all_reduce(((per_channel - mean[:, None]) ** 2).sum(1))
+        squares = differentiable.all_reduce(((per_channel - mean[:, None]) ** 2).sum(1),
+                                            group=self.process_group)
         var = squares / count  # pass 2: biased, as BatchNorm normalises
-        with torch.no_grad():  # what BatchNorm keeps: the unbiased variance, momentum 0.1
-            self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var * count / (count - 1), self.momentum)
-            self.num_batches_tracked += 1
-        shape = (1, -1, 1, 1)
+        if self.track_running_stats:  # what BatchNorm keeps: the unbiased variance
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                momentum = 1 / self.num_batches_tracked.item() if self.momentum is None \
+                    else self.momentum  # (None: a cumulative average, as BatchNorm's)
+                self.running_mean.lerp_(mean, momentum)
+                self.running_var.lerp_(var * count / (count - 1), momentum)
+        shape = (1, -1, *[1] * (x.dim() - 2))  # per channel
         x = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        return x * self.weight.view(shape) + self.bias.view(shape)
+        return x * self.weight.view(shape) + self.bias.view(shape) if self.affine else x
+
+
+def convert_batchnorm(module):
+    """nn.SyncBatchNorm.convert_sync_batchnorm for the CPU: every BatchNorm in `module`, of any
+    kind, becomes an AllReducedBatchNorm with its parameters and statistics (the same state
+    dict). The new layers are made on the CPU: move the model to its device after."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        synced = AllReducedBatchNorm(module.num_features, module.eps, module.momentum,
+                                     module.affine, module.track_running_stats)
+        synced.load_state_dict(module.state_dict())
+        return synced
+    for name, child in module.named_children():
+        module.add_module(name, convert_batchnorm(child))
+    return module
 
 
 def synchronise_batchnorm(model, run, args):
@@ -146,11 +170,7 @@ def synchronise_batchnorm(model, run, args):
         return model
     if run.device.type == "cuda" and not args.batchnorm_by_hand:
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)  # Fix on GPUs: torch's own
-    # Fix on the CPU: the same statistics, all-reduced by hand. Same keys in the state dict.
-    by_hand = AllReducedBatchNorm2d(model.bn1.num_features).to(run.device)
-    by_hand.load_state_dict(model.bn1.state_dict())
-    model.bn1 = by_hand
-    return model
+    return convert_batchnorm(model).to(run.device)  # Fix on the CPU: all-reduced by hand
 
 
 def wrap(raw_model, run, args):

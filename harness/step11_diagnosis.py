@@ -119,7 +119,7 @@ def report(one_process, sampled, reloaded, run, args) -> bool:
               f"{found['outputs']:.3g}, gradients by {found['gradients']:.3g}, running "
               f"statistics by {found['running statistics']:.3g} (rank against rank "
               f"{found['between ranks']:.3g}): nn.SyncBatchNorm.convert_sync_batchnorm on "
-              f"GPUs, all-reduced statistics (AllReducedBatchNorm2d) on the CPU")
+              f"GPUs, all-reduced statistics (AllReducedBatchNorm) on the CPU")
     elif args.bug == "clip":
         print(f"diagnosis: clipping inside the micro-batch loop: gradients differ from one "
               f"process's clipped step by {found['gradients']:.3g}, weights by "
