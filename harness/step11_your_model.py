@@ -2,11 +2,12 @@
 
 Rank 0 keeps a copy of the model and trains it the way one process would: on the global batch
 (every rank's micro-batches, gathered in rank order), with plain BatchNorm over all of it and
-the gradient clipped once. After each step the DDP model's outputs, gradients, BatchNorm running
-statistics and weights are compared with the copy's; the largest difference of each kind is what
-the step reports (step11_diagnosis.py prints it). The mistakes and their fixes are all in
-11_your_model.py, which runs copied out without this module; in the repository `take_in(step)`
-(twins.py) wraps its functions:
+the gradient clipped once. That step is train_template.py's replay, the one its --check takes.
+After each step the DDP model's outputs, gradients, BatchNorm running statistics and weights
+are compared with the copy's; the largest difference of each kind is what the step reports
+(step11_diagnosis.py prints it). The mistakes and their fixes are all in 11_your_model.py,
+which runs copied out without this module; in the repository `take_in(step)` (twins.py) wraps
+its functions:
 
 - parse_flags: the --out-dir is checked for room first (a full disk is one line before any work);
   DEFAULTS draws the built-in synthetic digits (offline, in seconds; a copy reads MNIST);
@@ -23,12 +24,15 @@ A stop signal (SIGTERM) ends 11 at once, in one line: it has nothing to checkpoi
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
+
+import train_template as template  # the repository's root, as common.py: its replay
 
 from .checkpoint import check_room
 from .errors import stop_signals_end_now
@@ -77,8 +81,9 @@ def largest(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 class OneProcess:
-    """Rank 0's copy of the model, trained as one process over the global batch; `found` holds
-    the largest difference from the DDP model seen so far, per kind."""
+    """Rank 0's copy of the model, trained as one process over the global batch by
+    train_template.py's own replay (one implementation of it: the template's --check runs the
+    same); `found` holds the largest difference from the DDP model seen so far, per kind."""
 
     def __init__(self, model, loss_of, lr: float, max_norm: float, run):
         self.run, self.loss_of, self.max_norm = run, loss_of, max_norm
@@ -88,35 +93,46 @@ class OneProcess:
         if run.is_main:
             self.model = copy.deepcopy(model)
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
+            self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
 
-    def step(self, micro_batches, with_aux: bool):
-        """One optimizer step over the global micro-batches; returns the outputs and the
-        clipped gradients."""
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = sum(len(labels) for _, labels in micro_batches)
-        outputs = []
-        for images, labels in micro_batches:
-            logits, aux = self.model(images, with_aux=with_aux)
-            (self.loss_of(logits, aux, labels) * len(labels) / total).backward()
+    def step(self, gathered, micro_batches: int, with_aux: bool):
+        """One optimizer step over every rank's batch (`gathered`: [images, labels] per rank, in
+        rank order), as template.replay takes it; returns the outputs (micro-batch by
+        micro-batch) and the clipped gradients."""
+        outputs, clip = [], torch.nn.utils.clip_grad_norm_
+
+        def loss(model, batch):  # 11's loss, in the template's place: a micro-batch's mean
+            logits, aux = model(batch[0], with_aux=with_aux)
             outputs.append(logits.detach())
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
-        self.norms.append(norm.item())
-        grads = gradients(self.model)
-        self.optimizer.step()
-        return outputs, grads
+            return self.loss_of(logits, aux, batch[1])
+
+        def clip_and_note(*args, **kwargs):  # the norm before clipping, for the report
+            norm = clip(*args, **kwargs)
+            self.norms.append(norm.item())
+            return norm
+
+        template.batch_loss, torch.nn.utils.clip_grad_norm_ = loss, clip_and_note
+        try:
+            ran = template.replay(self.model, self.optimizer, self.schedule, gathered,
+                                  argparse.Namespace(accumulation=micro_batches,
+                                                     max_norm=self.max_norm),
+                                  range(self.run.world_size))
+        finally:
+            torch.nn.utils.clip_grad_norm_ = clip
+        return outputs, [ran["gradients"].get(name, torch.zeros_like(p))  # (an unused head)
+                         for name, p in self.model.named_parameters()]
 
     def compare(self, raw_model, micro_batches, outputs, grads, with_aux: bool) -> None:
-        """Every rank's micro-batches and outputs gathered; rank 0 takes the one-process step on
-        them and records how far the DDP model is from it (a collective: every rank calls)."""
-        everyone = [(torch.cat(gather(x, self.run)), torch.cat(gather(y, self.run)),
-                     torch.cat(gather(out, self.run)))
-                    for (x, y), out in zip(micro_batches, outputs)]
+        """Every rank's batch and outputs gathered; rank 0 takes the one-process step on them
+        and records how far the DDP model is from it (a collective: every rank calls)."""
+        gathered = [list(batch) for batch in zip(*(gather(torch.cat(part), self.run) for part in
+                                                   zip(*micro_batches)))]  # [images, labels]
+        ddp_outputs = [torch.cat(gather(out, self.run)) for out in outputs]  # as replay orders
         stats = gather(running_statistics(raw_model), self.run)
         if not self.run.is_main:
             return
-        ref_outputs, ref_grads = self.step([(x, y) for x, y, _ in everyone], with_aux)
-        found = {"outputs": largest([out for _, _, out in everyone], ref_outputs),
+        ref_outputs, ref_grads = self.step(gathered, len(micro_batches), with_aux)
+        found = {"outputs": largest(ddp_outputs, ref_outputs),
                  "gradients": largest(grads, ref_grads),
                  "running statistics": largest(stats, [running_statistics(self.model)] *
                                                len(stats)),

@@ -24,8 +24,9 @@ import time
 import pytest
 import torch
 
-from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, TRAIN_SAMPLES, assert_no_traceback, base_env, launch,
-                      max_difference, rank_params, read_summary, run_step, torchrun_cmd)
+from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, TRAIN_SAMPLES, assert_no_traceback,
+                      base_env, launch, max_difference, rank_params, read_summary, run_step,
+                      torchrun_cmd)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 
