@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, assert_no_traceback, base_env,
+from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, LazyRuns, assert_no_traceback, base_env,
                       copied_run_killed_at_step_27, frames_of_ours, launch, read_summary,
                       run_step, torchrun_cmd)
 from harness import step09_dcp_checkpoint as dcp_checkpoint
@@ -47,26 +47,31 @@ def max_difference(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def runs(mnist_root, tmp_path_factory):
-    """09 on 2 ranks for 2 epochs, and for 1 epoch; the 1-epoch checkpoint resumed for the
-    second epoch on 1 rank and on 3 ranks. The resume on 1 rank continues in a copy of the
-    1-epoch run's folder as `scp -r` or `rsync -L` make it: its link, `checkpoint`, a real folder."""
+    """09 on 2 ranks for 2 epochs ("straight"), and for 1 epoch ("first_epoch"); the 1-epoch
+    checkpoint resumed for the second epoch on 1 rank and on 3 ranks. The resume on 1 rank
+    continues in a copy of the 1-epoch run's folder as `scp -r` or `rsync -L` make it: its link,
+    `checkpoint`, a real folder. Each run starts when a test first reads it (LazyRuns)."""
     root = tmp_path_factory.mktemp("dcp")
     args = [*RESTART_ARGS, "--data-dir", mnist_root]
-    result = {}
-    for name, nproc, extra in [("straight", 2, []), ("first_epoch", 2, ["--epochs", 1])]:
-        proc = run_step(STEP, [*args, *extra, "--out-dir", root / name], nproc=nproc)
-        result[name] = {"out": root / name, "stdout": proc.stdout}
-    shutil.copytree(root / "first_epoch", root / "resumed_on_1")  # (symlinks=False: a copy)
-    # A complete checkpoint a user keeps under a name of their own, in the --out-dir of a run
-    # (test_a_folder_the_run_did_not_make_survives_its_commits).
-    shutil.copytree((root / "first_epoch" / "checkpoint").resolve(),
-                    root / "resumed_on_3" / "checkpoint-best")
-    for ranks in (1, 3):
-        out = root / f"resumed_on_{ranks}"
-        resume = (out if ranks == 1 else root / "first_epoch") / "checkpoint"
-        proc = run_step(STEP, [*args, "--resume", resume, "--out-dir", out], nproc=ranks)
-        result[f"resumed_on_{ranks}"] = {"out": out, "stdout": proc.stdout}
-    return result
+
+    def start(name):
+        out, extra, nproc = root / name, [], 2
+        if name == "first_epoch":
+            extra = ["--epochs", 1]
+        elif name == "resumed_on_1":  # (symlinks=False: a copy, its link a folder)
+            shutil.copytree(runs["first_epoch"]["out"], out)
+            extra, nproc = ["--resume", out / "checkpoint"], 1
+        elif name == "resumed_on_3":
+            # A complete checkpoint a user keeps under a name of their own, in the --out-dir of
+            # a run (test_a_folder_the_run_did_not_make_survives_its_commits).
+            shutil.copytree((runs["first_epoch"]["out"] / "checkpoint").resolve(),
+                            out / "checkpoint-best")
+            extra, nproc = ["--resume", root / "first_epoch" / "checkpoint"], 3
+        proc = run_step(STEP, [*args, *extra, "--out-dir", out], nproc=nproc)
+        return {"out": out, "stdout": proc.stdout}
+
+    runs = LazyRuns(start)
+    return runs
 
 
 def test_fsdp2_with_dcp_ends_with_the_weights_of_ddp(runs, uninterrupted_07):
