@@ -30,9 +30,13 @@ def folder(tmp_path_factory):
     (folder / TEMPLATE).write_text(text)
     plain_bn = text.replace("nn.LayerNorm(128)", "nn.BatchNorm1d(128)")  # not synchronised
     no_sampler = text.replace("sampler=sampler, drop_last=True", "drop_last=True")
-    assert plain_bn != text and no_sampler != text  # (the template still reads as planted)
+    backward = "            scaler.scale(loss).backward()  # (a disabled scaler: loss.backward())\n"
+    clip_in_loop = text.replace(backward, backward + "            torch.nn.utils.clip_grad_norm_("
+                                "model.parameters(), max_norm)\n")  # each rank's, in no_sync
+    assert plain_bn != text and no_sampler != text and clip_in_loop != text  # (still planted)
     (folder / "plain_bn.py").write_text(plain_bn)
     (folder / "no_sampler.py").write_text(no_sampler)
+    (folder / "clip_in_loop.py").write_text(clip_in_loop)
     return folder
 
 
@@ -122,11 +126,14 @@ def test_check_passes_for_the_template(folder, nproc, flags):
     assert f"diagnosis: DDP on {nproc} ranks computes what one process computes" in proc.stdout
 
 
-@pytest.mark.parametrize("script, diagnosis", [
-    ("plain_bn.py", "BatchNorm"),
-    ("no_sampler.py", "the ranks trained the same samples: use a DistributedSampler")])
-def test_check_names_a_planted_mistake(folder, script, diagnosis):
-    proc = launch(torchrun_cmd(2, script, "--check"), cwd=folder, check=False)
+@pytest.mark.parametrize("script, flags, diagnosis", [
+    ("plain_bn.py", [], "BatchNorm"),
+    ("no_sampler.py", [], "the ranks trained the same samples: use a DistributedSampler"),
+    # (--max-norm 0.1: clipping bites at the first step; at 1.0 it does not, and --check passes)
+    ("clip_in_loop.py", ["--accumulation", "2", "--max-norm", "0.1"],
+     "gradients not as in one process at step 1")])
+def test_check_names_a_planted_mistake(folder, script, flags, diagnosis):
+    proc = launch(torchrun_cmd(2, script, "--check", *flags), cwd=folder, check=False)
     assert proc.returncode != 0, proc.stdout
     last = [line for line in proc.stdout.splitlines() if line.startswith("diagnosis:")]
     assert len(last) == 1 and diagnosis in last[0], proc.stdout
