@@ -390,7 +390,7 @@ def test_sync_batchnorm_equals_the_hand_written_one(tmp_path):
 
 
 # ------------------------------------------------------ issue 45: the template and a port on GPUs
-TEMPLATE_RUN = ["--epochs", 2, "--checkpoint-every", 5]  # 32 steps an epoch on one GPU
+TEMPLATE_RUN = ["--epochs", 2, "--checkpoint-every", 5]  # 32 steps of 128 an epoch
 
 
 def template_run(out, *extra, **kwargs):
