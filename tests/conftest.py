@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -63,6 +64,15 @@ def shared_compile_cache(tmp_path_factory):
 # share cuda:0, which NCCL refuses, and gloo's timeout messages would be NCCL's.) Only
 # tests/test_gpu.py opts in, with gpus=True.
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+# The tests send Ctrl-C (SIGINT) and SIGQUIT to the runs they start, as a terminal does. A pytest
+# that a script started in the background (`bash script &`: no job control) has both ignored, and
+# an ignored signal stays ignored in every process it starts: a Ctrl-C then stopped no run (exit
+# 0, not 130). With their defaults back here, the runs start as they do from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 def base_env(*, gpus: bool = False, **extra) -> dict:
