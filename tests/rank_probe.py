@@ -21,6 +21,10 @@ Two failures on request:
   a bug would) after its <step>-th optimizer step;
 - PROBE_KILL_SAVE=<rank>:<n>: that rank SIGKILLs itself while it writes its shards of the n-th
   DCP checkpoint (step 08), in the first attempt only.
+
+And one record on request: PROBE_KEEP_CHECKPOINTS=1 copies each checkpoint.pt the step saves to
+checkpoint-epoch<E>.pt beside it (E: the epochs it holds), so a test can resume from epoch 1 of a
+2-epoch run instead of launching a 1-epoch run for it.
 """
 
 import os
@@ -78,6 +82,20 @@ if first_attempt and rank == save_rank:
         return original_write(self, plan, planner)
 
     FileSystemWriter.write_data = dying_write
+
+if os.environ.get("PROBE_KEEP_CHECKPOINTS") == "1":
+    import shutil
+
+    import common  # (its save_checkpoint is the harness's, since `from harness import data`)
+
+    original_save = common.save_checkpoint
+
+    def keeping_save(path, model, optimizer, scheduler, epoch, **extra):
+        original_save(path, model, optimizer, scheduler, epoch, **extra)
+        if rank == "0":
+            shutil.copyfile(path, path.with_name(f"{path.stem}-epoch{epoch}{path.suffix}"))
+
+    common.save_checkpoint = keeping_save
 
 original_getitems = data.Digits.__getitems__
 
