@@ -113,10 +113,12 @@ def test_the_flight_recorder_read_is_the_one_of_the_backend_that_carries_ddp():
         "nccl2" if debug.takes(debug._dump_fr_trace, "backend") else None)
     assert not gloo.keywords["includeStackTraces"] and not nccl2.keywords["includeStackTraces"]
     # A hooked backend's buffer is its own: on this CPU machine nothing ever recorded into it.
-    # (Where there is one buffer, it is gloo's, and holds whatever an earlier test of this
-    # process ran over gloo: with the files in another order, 2.14.1 had 12 entries there.)
+    # Where there is one buffer (2.14.1) nccl2's read is gloo's, which holds whatever an earlier
+    # test of this process ran over gloo (12 entries, with the files in another order).
     if "backend" in nccl2.keywords:
         assert pickle.loads(nccl2()).get("entries", []) == []
+    else:
+        assert pickle.loads(nccl2()) == pickle.loads(gloo())
     legacy = debug.dump_for("nccl")
     if not hasattr(debug.c10d_ext, "_dump_nccl_trace"):
         assert pickle.loads(legacy()) == {}  # a CPU-only build: no legacy NCCL, no record
