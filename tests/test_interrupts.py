@@ -78,7 +78,7 @@ def alive(pids) -> list[int]:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] != "Z":
                     running.append(pid)
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone (reaped between open and read)
             pass
     return running
 
