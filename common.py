@@ -33,6 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: its functions take the default group as a default
+# argument, evaluated at import. torchvision, torch.compile and the profiler import it (through
+# torch._dynamo) after init_process_group, and then it keeps the group and gloo's threads alive
+# past destroy_process_group, to be torn down during the interpreter's exit (docs/reliability.md).
+import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401 -- steps use it

@@ -21,6 +21,8 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 -- before the group: imported after it (torch.compile,
+# torchvision), its functions' default group keeps the group alive past destroy_process_group
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -3,7 +3,8 @@
     torchrun ... tests/rank_probe.py 03_ddp_wrapper.py --epochs 1 ...   (PROBE_DIR=<folder>)
 
 Writes PROBE_DIR/rank<R>.pt = {"params": the parameters this rank's optimizer last stepped,
-"indices": {dataset size: [every index batch fetched from a dataset of that size]}}.
+"indices": {dataset size: [every index batch fetched from a dataset of that size]},
+"threads": the names of this process's threads once the step has ended (its group torn down)}.
 It only observes: a global optimizer hook (a public PyTorch API) keeps a reference to the
 optimizer, and the training set's batch fetch is wrapped to note the indices it is asked for.
 
@@ -116,5 +117,7 @@ finally:
     params = [(p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
               for group in seen["opt"].param_groups for p in group["params"]] \
         if "opt" in seen else []
-    torch.save({"params": params, "indices": dict(fetched)},
+    threads = sorted((Path("/proc/self/task") / task / "comm").read_text().strip()
+                     for task in os.listdir("/proc/self/task"))  # (Linux: native threads too)
+    torch.save({"params": params, "indices": dict(fetched), "threads": threads},
                Path(os.environ["PROBE_DIR"]) / f"rank{rank}.pt")

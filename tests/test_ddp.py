@@ -164,6 +164,18 @@ def test_compiled_checkpoint_loads_into_the_plain_model(runs):
                           rank_params(runs["compiled"]["probe"])) == 0.0
 
 
+# ---------------------------------------------------------------- the end of a run
+@pytest.mark.parametrize("name", ["02", "03", "compiled"])
+def test_the_group_and_its_threads_are_gone_when_the_step_ends(runs, name):
+    """destroy_process_group ends gloo's threads on every rank. torchvision (every MNIST run)
+    and torch.compile import torch.distributed.nn after the group is made, and its functions'
+    default argument (the default group, taken at import) kept the group and its threads
+    alive until the interpreter's exit tore them down: common.py imports it first."""
+    for rank in range(2):
+        threads = torch.load(runs[name]["probe"] / f"rank{rank}.pt", weights_only=True)["threads"]
+        assert not [thread for thread in threads if "gloo" in thread], (rank, threads)
+
+
 # ---------------------------------------------------------------- sampler
 def train_indices(probe, rank):
     """The training-set indices one rank fetched, in order."""
