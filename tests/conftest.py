@@ -82,15 +82,101 @@ def base_env(*, gpus: bool = False, **extra) -> dict:
     return env
 
 
-def launch(args: list[str], *, env=None, timeout=300, check=True,
-           cwd=REPO) -> subprocess.CompletedProcess:
-    """Run a command to completion; on an unexpected exit code show its output."""
-    proc = subprocess.run(args, cwd=cwd, env=env or base_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def launch(args: list[str], *, env=None, timeout=300, check=True, cwd=REPO,
+           fresh=False) -> subprocess.CompletedProcess:
+    """Run a command to completion; on an unexpected exit code show its output.
+
+    A step or torchrun's agent runs as a child forked from a process that has imported torch
+    (tests/preimported.py: its docstring says what that changes, and when a run is started
+    fresh anyway); fresh=True, or FRESH_PROCESSES=1 for the whole suite, starts every one anew."""
+    args, env = [str(a) for a in args], env or base_env()
+    request = None if fresh else forkable(args, env, cwd)
+    if request is None:
+        proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    else:
+        proc = Preimported.get().run(args, request, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, args))} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def forkable(args: list[str], env: dict, cwd) -> dict | None:
+    """The request for tests/preimported.py that runs `args`, or None where it cannot."""
+    if os.environ.get("FRESH_PROCESSES") == "1" or len(args) < 2 or args[0] != sys.executable:
+        return None
+    if args[1] == "-m" and args[2:3] == ["torch.distributed.run"]:
+        module, argv = True, args[2:]
+    elif args[1].endswith(".py"):
+        module, argv = False, args[1:]
+    else:
+        return None
+    import preimported
+
+    if not preimported.differs_only_late(env, Preimported.get().env):
+        return None
+    return {"argv": argv, "module": module, "env": env, "cwd": str(cwd)}
+
+
+class Preimported:
+    """This pytest process's tests/preimported.py, started at its first use."""
+
+    _started = None
+
+    @classmethod
+    def get(cls) -> "Preimported":
+        if cls._started is None:
+            cls._started = cls()
+        return cls._started
+
+    def __init__(self):
+        import atexit
+        import tempfile
+
+        self.folder = Path(tempfile.mkdtemp(prefix="preimported-"))
+        self.socket, self.env = self.folder / "socket", base_env()
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "preimported.py"), str(self.socket)], cwd=REPO,
+            env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=(self.folder / "stderr").open("w"), start_new_session=True)
+        if self.process.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"tests/preimported.py did not start: "
+                               f"{(self.folder / 'stderr').read_text()[-2000:]}")
+        atexit.register(self.stop)
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait()
+        subprocess.run(["rm", "-rf", str(self.folder)], check=False)
+
+    def run(self, args, request, timeout) -> subprocess.CompletedProcess:
+        import locale
+        import socket
+        import uuid
+
+        run = self.folder / uuid.uuid4().hex
+        request = {**request, "stdout": f"{run}.out", "stderr": f"{run}.err"}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(str(self.socket))
+            connection.sendall(json.dumps(request).encode() + b"\n")
+            answers = connection.makefile()
+            pid = json.loads(answers.readline())["pid"]
+            connection.settimeout(timeout)
+            try:
+                status = json.loads(answers.readline())["status"]
+            except (TimeoutError, socket.timeout):
+                os.kill(pid, signal.SIGKILL)
+                connection.settimeout(None)
+                json.loads(answers.readline())  # (its end: the files are complete)
+                status = None
+        encoding = locale.getpreferredencoding(False)
+        out, err = (Path(f"{run}.{name}").read_bytes().decode(encoding)
+                    .replace("\r\n", "\n").replace("\r", "\n") for name in ("out", "err"))
+        Path(f"{run}.out").unlink(), Path(f"{run}.err").unlink()
+        if status is None:
+            raise subprocess.TimeoutExpired(args, timeout, output=out, stderr=err)
+        return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(status), out, err)
 
 
 def torchrun_cmd(nproc: int, *script_and_args, extra: tuple = ()) -> list[str]:
