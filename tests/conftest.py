@@ -143,9 +143,12 @@ class Preimported:
         if self.process.stdout.readline() != b"ready\n":
             raise RuntimeError(f"tests/preimported.py did not start: "
                                f"{(self.folder / 'stderr').read_text()[-2000:]}")
+        self.owner = os.getpid()
         atexit.register(self.stop)
 
     def stop(self):
+        if os.getpid() != self.owner:  # a process forked from pytest's, ending: not ours to stop
+            return
         self.process.kill()
         self.process.wait()
         subprocess.run(["rm", "-rf", str(self.folder)], check=False)

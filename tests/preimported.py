@@ -41,11 +41,15 @@ def differs_only_late(env: dict, here: dict) -> bool:
     return all(name.startswith(LATE_VARIABLES) for name in changed)
 
 
-def serve(path: str) -> dict:
-    """Answer requests until the socket closes; in a forked child, return its request."""
+def listen(path: str) -> socket.socket:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(16)
+    return server
+
+
+def serve(server: socket.socket) -> dict:
+    """Answer requests until the pytest process is gone; in a forked child, its request."""
     running = {}  # child pid -> the connection that waits for its status
     while True:
         ready = select.select([server], [], [], 0.05)[0]
@@ -135,8 +139,9 @@ if __name__ == "__main__":
     import torch.distributed.launcher.api  # noqa: F401 -- torchrun's (not .run itself: runpy
     import torchvision  # noqa: F401 -- would warn that it was imported before it ran)
 
-    print("ready", flush=True)
-    asked = serve(sys.argv[1])
+    listening = listen(sys.argv[1])
+    print("ready", flush=True)  # (after the bind: a client may connect at once)
+    asked = serve(listening)
     if asked:
         become(asked)
         sys.exit(run(asked))
