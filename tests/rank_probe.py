@@ -117,7 +117,8 @@ finally:
     params = [(p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
               for group in seen["opt"].param_groups for p in group["params"]] \
         if "opt" in seen else []
-    threads = sorted((Path("/proc/self/task") / task / "comm").read_text().strip()
-                     for task in os.listdir("/proc/self/task"))  # (Linux: native threads too)
+    tasks = Path("/proc/self/task")  # (Linux: native threads too; elsewhere None)
+    threads = sorted((tasks / task / "comm").read_text().strip()
+                     for task in os.listdir(tasks)) if tasks.is_dir() else None
     torch.save({"params": params, "indices": dict(fetched), "threads": threads},
                Path(os.environ["PROBE_DIR"]) / f"rank{rank}.pt")

@@ -173,6 +173,8 @@ def test_the_group_and_its_threads_are_gone_when_the_step_ends(runs, name):
     alive until the interpreter's exit tore them down: common.py imports it first."""
     for rank in range(2):
         threads = torch.load(runs[name]["probe"] / f"rank{rank}.pt", weights_only=True)["threads"]
+        if threads is None:
+            pytest.skip("threads are read from /proc/self/task (Linux)")
         assert not [thread for thread in threads if "gloo" in thread], (rank, threads)
 
 
