@@ -50,7 +50,7 @@ def listen(path: str) -> socket.socket:
 
 def serve(server: socket.socket) -> dict:
     """Answer requests until the pytest process is gone; in a forked child, its request."""
-    running = {}  # child pid -> the connection that waits for its status
+    running, parent = {}, os.getppid()  # child pid -> the connection that waits for its status
     while True:
         ready = select.select([server], [], [], 0.05)[0]
         while running:  # reap every child that ended, and say how
@@ -61,7 +61,7 @@ def serve(server: socket.socket) -> dict:
             connection.sendall(json.dumps({"status": status}).encode() + b"\n")
             connection.close()
         if not ready:
-            if os.getppid() == 1:  # the pytest process is gone
+            if os.getppid() != parent:  # the pytest process is gone (we were handed on)
                 return {}
             continue
         connection, _ = server.accept()
