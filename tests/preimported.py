@@ -32,7 +32,7 @@ import sys
 # a step's hook): a run that sets them differently can still be forked from here.
 LATE_VARIABLES = ("PROBE_", "SLURM_", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
                   "WORLD_SIZE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCH_FR_BUFFER_SIZE",
-                  "TMPDIR", "PYTEST_")
+                  "PYTEST_")  # (not TMPDIR: tempfile caches the folder while torch imports)
 
 
 def differs_only_late(env: dict, here: dict) -> bool:

@@ -67,7 +67,8 @@ def test_what_torch_reads_at_import_starts_a_run_fresh(tmp_path, monkeypatch):
     here = Preimported.get().env
     assert forkable(script, base_env(PROBE_STALL=1, SLURM_RESTART_COUNT=1), REPO) is not None
     for changed in [{"OMP_NUM_THREADS": "3"}, {"PYTHONPATH": str(tmp_path)},
-                    {"CUDA_VISIBLE_DEVICES": "0"}, {"TORCH_LOGS": "dynamo"}]:
+                    {"CUDA_VISIBLE_DEVICES": "0"}, {"TORCH_LOGS": "dynamo"},
+                    {"TMPDIR": str(tmp_path)}]:  # (tempfile.tempdir is set while torch imports)
         assert forkable(script, {**here, **changed}, REPO) is None, changed
     assert forkable([sys.executable, "-c", "pass"], here, REPO) is None
     assert forkable([sys.executable, "-X", "importtime", "00_single_gpu.py"], here, REPO) is None
