@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import (REPO, RESTART_ARGS, TEST_SAMPLES, LazyRuns, assert_no_traceback, base_env,
+from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, TEST_SAMPLES, LazyRuns, assert_no_traceback, base_env,
                       copied_run_killed_at_step_27, frames_of_ours, launch, read_summary,
                       run_step, torchrun_cmd)
 from harness import step09_dcp_checkpoint as dcp_checkpoint
@@ -116,6 +116,7 @@ def test_a_checkpoint_of_2_ranks_resumes_on_another_number_of_ranks(runs, ranks)
     assert resumed["train_losses"][0] == pytest.approx(straight["train_losses"][1], rel=0.05)
 
 
+@PORT_TAKEN_RERUNS
 def test_a_rank_killed_mid_save_resumes_from_the_previous_checkpoint_exactly(
         runs, mnist_root, tmp_path):
     """Rank 1 dies while writing its shards of the 3rd checkpoint (step 12 of epoch 1): the link
@@ -131,6 +132,7 @@ def test_a_rank_killed_mid_save_resumes_from_the_previous_checkpoint_exactly(
         "checkpoint", "checkpoint-epoch2-end"]  # older and unfinished folders are gone
 
 
+@PORT_TAKEN_RERUNS
 def test_a_copied_09_killed_and_restarted_ends_as_the_uninterrupted_run(runs, mnist_root,
                                                                         tmp_path):
     """09 and common.py in an empty folder, without harness/: its plain dcp.async_save, the

@@ -20,7 +20,7 @@ import torch
 from harness import checkpoint
 from harness import step07_fault_tolerance as fault_tolerance
 from harness import step09_dcp_checkpoint as dcp_checkpoint
-from conftest import (REPO, RESTART_ARGS, base_env, copied_run_killed_at_step_27, max_difference,
+from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, base_env, copied_run_killed_at_step_27, max_difference,
                       rank_params, read_summary, run_step, saved_checkpoint, torchrun_cmd)
 from conftest import launch as launch_cmd
 
@@ -39,6 +39,7 @@ def uninterrupted(uninterrupted_07):
 
 
 @pytest.mark.quick
+@PORT_TAKEN_RERUNS
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(
         uninterrupted, args, tmp_path):
     # Rank 1 dies after step 27 = step 7 of epoch 2; the last checkpoint is at step 4 of epoch 2.
@@ -56,6 +57,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(
     assert resumed["samples_per_sec"] > 0  # timed over the 16 steps it did
 
 
+@PORT_TAKEN_RERUNS
 def test_a_copied_07_killed_and_restarted_ends_as_the_uninterrupted_run(uninterrupted, args,
                                                                         tmp_path):
     """07 and common.py in an empty folder, run without harness/ (no FLOP rate printed): rank 1
@@ -178,6 +180,7 @@ def test_an_epoch_too_short_for_ddp_to_report_its_buckets_still_saves(tmp_path):
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 1
 
 
+@PORT_TAKEN_RERUNS
 def test_a_job_stopped_near_the_end_of_an_epoch_finishes_after_its_restart(mnist_root, tmp_path):
     """Checkpointed at step 7 of an 8-step epoch, then a rank dies: the restarted group trains
     one step, in which its new DDP cannot report buckets yet. That used to crash before the

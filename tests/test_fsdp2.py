@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (REPO, RESTART_ARGS, base_env, copied_run_killed_at_step_27, launch,
+from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, base_env, copied_run_killed_at_step_27, launch,
                       read_summary, run_step, torchrun_cmd)
 from harness.model import Net
 
@@ -58,6 +58,7 @@ def test_each_rank_holds_half_of_the_parameters(straight):
     assert len(summary["peak_memory_mib"]) == 2 and min(summary["peak_memory_mib"]) > 0
 
 
+@PORT_TAKEN_RERUNS
 def test_a_killed_rank_is_restarted_from_the_gathered_checkpoint_exactly(straight, mnist_root,
                                                                         tmp_path):
     """Rank 1 dies after step 27 (step 7 of epoch 2); the last checkpoint, at step 4 of epoch
@@ -73,6 +74,7 @@ def test_a_killed_rank_is_restarted_from_the_gathered_checkpoint_exactly(straigh
             == pytest.approx(read_summary(straight["out"])["train_losses"][1:], rel=1e-12))
 
 
+@PORT_TAKEN_RERUNS
 def test_a_copied_08_killed_and_restarted_ends_as_the_uninterrupted_run(straight, mnist_root,
                                                                         tmp_path):
     """08 and common.py in an empty folder, without harness/: its plain gathered save and its

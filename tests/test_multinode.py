@@ -12,7 +12,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from conftest import (REPO, assert_no_traceback, base_env, max_difference, rank_params,
+from conftest import (PORT_TAKEN_RERUNS, REPO, assert_no_traceback, base_env, max_difference, rank_params,
                       read_summary, run_step)
 
 ARGS = ["--no-compile", "--data", "mnist", "--train-samples", 480, "--test-samples", 100,
@@ -67,6 +67,7 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
     assert summary["test_correct"] == alone["test_correct"]
 
 
+@PORT_TAKEN_RERUNS
 def test_a_rank_killed_on_one_of_two_agents_restarts_both_and_ends_exactly(mnist_root,
                                                                           tmp_path):
     """Step 07 across two agents with --max-restarts 1: rank 1 (on one "node") is SIGKILLed

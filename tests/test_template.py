@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, base_env, launch, torchrun_cmd
+from conftest import PORT_TAKEN_RERUNS, REPO, base_env, launch, torchrun_cmd
 
 TEMPLATE = "train_template.py"
 # 64 steps an epoch: long enough for a signal to land mid-run, a few seconds on 2 CPU ranks
@@ -79,6 +79,7 @@ def start_and_signal(folder, out, signum, *, torchrun_extra=(), worker=False, en
     return proc.returncode, output
 
 
+@PORT_TAKEN_RERUNS
 def test_kill_9_of_a_rank_resumes_to_the_same_weights(folder, uninterrupted):
     """torchrun --max-restarts 1 restarts the group after a kill -9 of one rank; the template
     resumes from its step checkpoint (sampler position and every rank's RNG state)."""
@@ -167,6 +168,7 @@ def test_the_transformer_port_passes_check(nproc, tmp_path):
     assert f"diagnosis: DDP on {nproc} ranks computes what one process computes" in proc.stdout
 
 
+@PORT_TAKEN_RERUNS
 def test_the_transformer_port_resumes_to_the_same_weights_after_kill_9(tmp_path):
     launch(torchrun_cmd(2, PORT, *PORT_RUN, "--out-dir", tmp_path / "whole"), cwd=tmp_path)
     out = tmp_path / "killed"
@@ -202,6 +204,7 @@ def test_the_resnet18_port_with_plain_batchnorm_fails_check(tmp_path):
     assert len(last) == 1 and "BatchNorm" in last[0], proc.stdout
 
 
+@PORT_TAKEN_RERUNS
 def test_the_resnet18_port_resumes_to_the_same_weights_after_kill_9(tmp_path):
     launch(torchrun_cmd(2, RESNET, *RESNET_RUN, "--out-dir", tmp_path / "whole"), cwd=tmp_path)
     out = tmp_path / "killed"
