@@ -114,15 +114,20 @@ def forkable(args: list[str], env: dict, cwd) -> dict | None:
         return None
     import preimported
 
-    if not preimported.differs_only_late(env, Preimported.get().env):
+    helper = preimported.helper_for(env, Preimported.get().helpers)
+    if helper is None:
         return None
-    return {"argv": argv, "module": module, "env": env, "cwd": str(cwd)}
+    return {"argv": argv, "module": module, "env": env, "cwd": str(cwd), "socket": helper}
 
 
 class Preimported:
-    """This pytest process's tests/preimported.py, started at its first use."""
+    """This pytest process's helpers (tests/preimported.py), started at their first use: one
+    imported torch under the tests' environment, one under it with OMP_NUM_THREADS=1, as
+    torchrun's workers have it (libgomp reads it when torch loads). Each knows of the other
+    through helpers.json: a torchrun agent forked from one has its workers forked by either."""
 
     _started = None
+    ENVIRONMENTS = ({}, {"OMP_NUM_THREADS": "1"})
 
     @classmethod
     def get(cls) -> "Preimported":
@@ -135,22 +140,28 @@ class Preimported:
         import tempfile
 
         self.folder = Path(tempfile.mkdtemp(prefix="preimported-"))
-        self.socket, self.env = self.folder / "socket", base_env()
-        self.process = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "preimported.py"), str(self.socket)], cwd=REPO,
-            env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=(self.folder / "stderr").open("w"), start_new_session=True)
-        if self.process.stdout.readline() != b"ready\n":
-            raise RuntimeError(f"tests/preimported.py did not start: "
-                               f"{(self.folder / 'stderr').read_text()[-2000:]}")
+        self.env, listing = base_env(), self.folder / "helpers.json"
+        self.helpers = [{"socket": str(self.folder / f"{n}.socket"), "env": {**self.env, **extra}}
+                        for n, extra in enumerate(self.ENVIRONMENTS)]
+        listing.write_text(json.dumps(self.helpers))
+        self.processes = [subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "preimported.py"), helper["socket"], str(listing)],
+            cwd=REPO, env=helper["env"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=(self.folder / f"{n}.stderr").open("w"), start_new_session=True)
+            for n, helper in enumerate(self.helpers)]  # (both import torch at once)
         self.owner = os.getpid()
         atexit.register(self.stop)
+        for n, process in enumerate(self.processes):
+            if process.stdout.readline() != b"ready\n":
+                raise RuntimeError(f"tests/preimported.py did not start: "
+                                   f"{(self.folder / f'{n}.stderr').read_text()[-2000:]}")
 
     def stop(self):
         if os.getpid() != self.owner:  # a process forked from pytest's, ending: not ours to stop
             return
-        self.process.kill()
-        self.process.wait()
+        for process in self.processes:
+            process.kill()
+            process.wait()
         subprocess.run(["rm", "-rf", str(self.folder)], check=False)
 
     def run(self, args, request, timeout) -> subprocess.CompletedProcess:
@@ -161,25 +172,25 @@ class Preimported:
         run = self.folder / uuid.uuid4().hex
         request = {**request, "stdout": f"{run}.out", "stderr": f"{run}.err"}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.connect(str(self.socket))
+            connection.connect(request["socket"])
             connection.sendall(json.dumps(request).encode() + b"\n")
             answers = connection.makefile()
             pid = json.loads(answers.readline())["pid"]
             connection.settimeout(timeout)
             try:
-                status = json.loads(answers.readline())["status"]
+                code = json.loads(answers.readline())["returncode"]
             except (TimeoutError, socket.timeout):
                 os.kill(pid, signal.SIGKILL)
                 connection.settimeout(None)
                 json.loads(answers.readline())  # (its end: the files are complete)
-                status = None
+                code = None
         encoding = locale.getpreferredencoding(False)
         out, err = (Path(f"{run}.{name}").read_bytes().decode(encoding)
                     .replace("\r\n", "\n").replace("\r", "\n") for name in ("out", "err"))
         Path(f"{run}.out").unlink(), Path(f"{run}.err").unlink()
-        if status is None:
+        if code is None:
             raise subprocess.TimeoutExpired(args, timeout, output=out, stderr=err)
-        return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(status), out, err)
+        return subprocess.CompletedProcess(args, code, out, err)
 
 
 # With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torchrun's agent picks a free port for each round's

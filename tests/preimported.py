@@ -1,10 +1,17 @@
 """A process that has imported torch once and forks a child for each run that `launch` asks of it.
 
 A run of a step or of torchrun's agent spends 2-3 s of CPU importing torch and torchvision
-before its first line; the suite starts about 200 of them. Here the imports are done once:
-each run is a child forked from this process, which then runs the script as `python SCRIPT` or
-`python -m MODULE` would (its own pid, cwd, environment, argv, sys.path[0], stdout and stderr),
-and ends through the interpreter's own exit (atexit, finalization), with its own exit status.
+before its first line; the suite starts about 200 of them, and their torchrun workers about 200
+more. Here the imports are done once: each run is a child forked from this process, which then
+runs the script as `python SCRIPT` or `python -m MODULE` would (its own pid, cwd, environment,
+argv, sys.path[0], stdin, stdout and stderr), and ends through the interpreter's own exit
+(atexit, finalization), with its own exit status.
+
+conftest starts two per pytest process: one under the tests' environment, one under it with
+OMP_NUM_THREADS=1, the variable torchrun sets for its workers (libgomp reads it when torch
+loads). A torchrun agent forked from here has its workers forked too (fork_workers): they are
+children of the helper, in sessions of their own as torchrun makes them, and the agent follows
+them through a handle with Popen's pid, poll, wait and signals.
 
 What differs from a fresh interpreter, and so where `conftest.launch` starts one instead:
 - torch, torchvision and numpy were imported under this process's environment. A run whose
@@ -12,11 +19,14 @@ What differs from a fresh interpreter, and so where `conftest.launch` starts one
   import), or whose interpreter or PYTHONPATH differs, is started fresh;
 - `python -c`, and anything that is not this interpreter running a .py file or a module;
 - Python's hash seed and numpy's global random state are this process's (the steps seed what
-  they draw from explicitly; Python's `random` reseeds itself in a forked child).
+  they draw from explicitly; Python's `random` reseeds itself in a forked child);
+- a forked worker's parent is the helper, not torchrun's agent: workers are forked only where
+  the launch has a run id of its own (a uuid, as --standalone makes), which is what tells
+  launches apart when `harness.peers.this_launch` would otherwise read the parent.
 A test whose claim is about starting up (an import that must come first, a Ctrl-C while torch
 loads) uses subprocess itself, or launch(..., fresh=True).
 
-    python tests/preimported.py SOCKET     (conftest starts it; one per pytest process)
+    python tests/preimported.py SOCKET HELPERS     (conftest starts it; HELPERS lists them all)
 """
 
 from __future__ import annotations
@@ -26,13 +36,19 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import sys
+import uuid
 
 # Variables the steps, the probe or torch read after import (at a flag's parse, a group's start,
 # a step's hook): a run that sets them differently can still be forked from here.
 LATE_VARIABLES = ("PROBE_", "SLURM_", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
                   "WORLD_SIZE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCH_FR_BUFFER_SIZE",
-                  "PYTEST_")  # (not TMPDIR: tempfile caches the folder while torch imports)
+                  "PYTEST_",  # (not TMPDIR: tempfile caches the folder while torch imports)
+                  # and what torchrun's agent adds for its workers (torch 2.14.1 reads each
+                  # where a group starts or an error is recorded)
+                  "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+                  "ROLE_WORLD_SIZE", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 def differs_only_late(env: dict, here: dict) -> bool:
@@ -48,44 +64,80 @@ def listen(path: str) -> socket.socket:
     return server
 
 
-def serve(server: socket.socket) -> dict:
-    """Answer requests until the pytest process is gone; in a forked child, its request."""
-    running, parent = {}, os.getppid()  # child pid -> the connection that waits for its status
+def receive(connection: socket.socket) -> tuple[dict, list[int]]:
+    """A request (one line of JSON) and the file descriptors sent with it (stdin, stdout,
+    stderr of a torchrun worker; none from pytest, which names files instead)."""
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    while data and not data.endswith(b"\n"):
+        more = connection.recv(1 << 16)
+        if not more:
+            break
+        data += more
+    return json.loads(data or b"null"), fds
+
+
+def returncode(info) -> int:
+    """What Popen's returncode says of a child that ended: its exit code, or -N for signal N."""
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def serve(server: socket.socket) -> tuple[dict, list[int]]:
+    """Answer requests until the pytest process is gone; in a forked child, its request.
+
+    A child that ended is reaped only once the one who asked for it has closed the connection,
+    as a Popen child stays a zombie until its parent waits: torchrun signals a worker's process
+    group after it may have ended, which must not find the group gone or its pid reused."""
+    running, ended, parent = {}, {}, os.getppid()  # child pid -> the connection that asked for it
     while True:
-        ready = select.select([server], [], [], 0.05)[0]
-        while running:  # reap every child that ended, and say how
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            connection = running.pop(pid)
-            connection.sendall(json.dumps({"status": status}).encode() + b"\n")
-            connection.close()
-        if not ready:
+        ready = select.select([server, *ended.values()], [], [], 0.05)[0]
+        for pid, connection in list(running.items()):
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if info is None:
+                continue
+            try:
+                connection.sendall(json.dumps({"returncode": returncode(info)}).encode() + b"\n")
+            except OSError:
+                pass  # the one who asked is gone; reaped below
+            ended[pid] = running.pop(pid)
+        for pid, connection in list(ended.items()):
+            if connection in ready:  # closed: nobody will signal or wait for this child again
+                os.waitpid(pid, 0)
+                connection.close()
+                del ended[pid]
+        if server not in ready:
             if os.getppid() != parent:  # the pytest process is gone (we were handed on)
-                return {}
+                return {}, []
             continue
         connection, _ = server.accept()
-        request = json.loads(connection.makefile().readline())
+        request, fds = receive(connection)
         if not request:  # the pytest process is done with us
-            return {}
+            return {}, []
         pid = os.fork()
         if pid == 0:  # the run: it keeps no connection of ours
-            for other in [server, connection, *running.values()]:
+            for other in [server, connection, *running.values(), *ended.values()]:
                 other.close()
-            return request
+            return request, fds
+        for fd in fds:
+            os.close(fd)
         running[pid] = connection
         connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 
-def become(request: dict) -> None:
+def become(request: dict, fds: list[int]) -> None:
     """Set this forked child up as the fresh process the request describes would be."""
+    if request.get("new_session"):  # as torchrun's Popen(start_new_session=True)
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, name in ((0, os.devnull), (1, request["stdout"]), (2, request["stderr"])):
-        opened = os.open(name, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(opened, fd)
-        os.close(opened)
+    if not fds:
+        fds = [os.open(os.devnull, os.O_RDONLY),
+               *(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                 for name in ("stdout", "stderr"))]
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
 
 
 def run(request: dict) -> int:
@@ -100,6 +152,8 @@ def run(request: dict) -> int:
         if request["module"]:
             sys.argv = [target, *args]  # (run_module puts the module's file in argv[0])
             sys.path.insert(0, request["cwd"])  # `python -m`: the working directory first
+            if target == "torch.distributed.run":
+                fork_workers()
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:  # as `python SCRIPT` does: argv[0] as given, __file__ absolute (3.9+)
             sys.argv = [target, *args]
@@ -132,6 +186,108 @@ def run(request: dict) -> int:
     return 0
 
 
+HELPERS = ""  # the file that lists every helper's socket and environment (argv[2])
+
+
+def helper_for(env: dict, helpers: list[dict]) -> str | None:
+    """The socket of a helper that imported torch under `env` (but for LATE_VARIABLES)."""
+    return next((h["socket"] for h in helpers if differs_only_late(env, h["env"])), None)
+
+
+def worker_request(args: tuple, env: dict) -> dict | None:
+    """The request that forks the torchrun worker `args` would start, or None where it must be
+    started fresh: not this interpreter running a .py file as `python -u SCRIPT` (torchrun's
+    command without --no-python or --module; -u is the helpers' PYTHONUNBUFFERED=1), or a launch
+    without a run id of its own (a static rendezvous: see the docstring)."""
+    if (len(args) < 3 or args[0] != sys.executable or args[1] != "-u"
+            or not args[2].endswith(".py") or env.get("PYTHONUNBUFFERED") != "1"):
+        return None
+    try:
+        uuid.UUID(env.get("TORCHELASTIC_RUN_ID", ""))
+    except ValueError:
+        return None
+    with open(HELPERS) as f:
+        helper = helper_for(env, json.load(f))
+    if helper is None:
+        return None
+    return {"argv": list(args[2:]), "module": False, "env": env, "cwd": os.getcwd(),
+            "new_session": True, "socket": helper}
+
+
+class ForkedWorker:
+    """What torchrun's agent keeps of a worker forked by a helper: Popen's pid, poll, wait,
+    returncode and signals. The helper says on the connection when the worker has ended."""
+
+    def __init__(self, args: tuple, request: dict, fds: list[int]):
+        self.args, self.returncode, self._pending = args, None, b""
+        self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._connection.connect(request["socket"])
+        socket.send_fds(self._connection, [json.dumps(request).encode() + b"\n"], fds)
+        self.pid = json.loads(self._line(None))["pid"]
+
+    def _line(self, timeout: float | None) -> bytes | None:
+        """The helper's next line; None if none came within `timeout`, b"" if it is gone."""
+        while b"\n" not in self._pending:
+            if not select.select([self._connection], [], [], timeout)[0]:
+                return None
+            chunk = self._connection.recv(4096)
+            if not chunk:
+                return b""
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._end(self._line(0))
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._end(self._line(timeout))
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def _end(self, line: bytes | None) -> None:
+        if line is not None:  # it ended (b"": the helper is gone, and with it the worker)
+            self.returncode = json.loads(line)["returncode"] if line else -signal.SIGKILL
+            self._connection.close()  # the helper reaps it now: nothing signals it again
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_workers() -> None:
+    """In torchrun's agent forked from here: start its workers as children forked by a helper
+    whose environment theirs matches, where torch's SubprocessHandler is as torch 2.14.1 has it
+    (a _popen(args, env) that starts one worker); elsewhere torchrun starts them itself."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            subprocess_handler as module)
+        handler = module.SubprocessHandler
+        popen = handler._popen
+    except (ImportError, AttributeError):
+        return
+
+    def _popen(self, args, env):
+        request = worker_request(tuple(args), env)
+        if request is None or not {"_stdout", "_stderr"} <= vars(self).keys():
+            return popen(self, args, env)
+        fds = [0, *(stream.fileno() if stream else default
+                    for stream, default in ((self._stdout, 1), (self._stderr, 2)))]
+        return ForkedWorker(tuple(args), request, fds)
+
+    handler._popen = _popen
+
+
 if __name__ == "__main__":
     del sys.path[0]  # (tests/: nothing of ours is imported here; a run puts its own first)
     import numpy  # noqa: F401 -- the imports every run would do, done once
@@ -139,9 +295,10 @@ if __name__ == "__main__":
     import torch.distributed.launcher.api  # noqa: F401 -- torchrun's (not .run itself: runpy
     import torchvision  # noqa: F401 -- would warn that it was imported before it ran)
 
+    HELPERS = sys.argv[2]
     listening = listen(sys.argv[1])
     print("ready", flush=True)  # (after the bind: a client may connect at once)
-    asked = serve(listening)
+    asked, received = serve(listening)
     if asked:
-        become(asked)
+        become(asked, received)
         sys.exit(run(asked))

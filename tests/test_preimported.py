@@ -3,12 +3,16 @@ A forked run must be what a fresh `python SCRIPT` is: the same exit status, stdo
 argv, sys.path[0], working directory, environment and __main__, and a run whose environment
 differs where torch reads it at import must start fresh."""
 
+import re
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import REPO, Preimported, base_env, forkable, launch
+from conftest import REPO, Preimported, base_env, forkable, launch, torchrun_cmd
 
 SHOW = textwrap.dedent("""
     import os, sys
@@ -74,3 +78,61 @@ def test_what_torch_reads_at_import_starts_a_run_fresh(tmp_path, monkeypatch):
     assert forkable([sys.executable, "-X", "importtime", "00_single_gpu.py"], here, REPO) is None
     monkeypatch.setenv("FRESH_PROCESSES", "1")
     assert forkable(script, here, REPO) is None
+
+
+WORKER = textwrap.dedent("""
+    import sys
+    lines = [f"torch loaded before the first line: {'torch' in sys.modules}"]
+    import os, signal, torch
+    late = ("RANK", "ROLE_RANK", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_ERROR_FILE")  # (this launch's own: they differ from any other's)
+    lines += [
+        str(sorted((k, v) for k, v in os.environ.items() if k not in late)),
+        f"{sys.argv} {sys.path[0]} {os.getcwd()} {__name__} {__file__} {sys.stdout.write_through}",
+        f"threads {torch.get_num_threads()} {torch.get_num_interop_threads()}",
+        str([signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE,
+                                           signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1)]),
+        f"own session {os.getpid() == os.getpgid(0) == os.getsid(0)}",
+        f"fds {sorted(os.listdir('/proc/self/fd'))} {os.isatty(0)}"]
+    with open(f"rank{os.environ['RANK']}.txt", "w") as report:
+        report.write("\\n".join(lines))
+    print("rank", os.environ["RANK"], "to stdout")
+    print("rank", os.environ["RANK"], "to stderr", file=sys.stderr)
+    sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)
+    """)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_torchruns_forked_workers_see_and_end_as_fresh_ones(tmp_path, nproc):
+    """A torchrun agent forked from a helper has its workers forked too (by the helper that
+    imported torch with OMP_NUM_THREADS=1 where torchrun sets it): each sees what a fresh
+    worker sees (environment, argv, threads, signal handlers, a session of its own, no file of
+    the helper's left open, stdout and stderr), torchrun reports its exit as a fresh one's, and
+    the helpers keep no child once the run has ended."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    args, runs = torchrun_cmd(nproc, "worker.py", "3"), {}
+    for fresh in (True, False):
+        proc = launch(args, cwd=tmp_path, check=False, fresh=fresh)
+        reports = [(tmp_path / f"rank{rank}.txt").read_text().splitlines() for rank in range(nproc)]
+        runs[fresh] = proc, reports
+        assert all(report[0].endswith(str(not fresh)) for report in reports), reports
+        assert sorted(proc.stdout.splitlines()) == [f"rank {r} to stdout" for r in range(nproc)]
+        assert all(f"rank {r} to stderr" in proc.stderr.splitlines() for r in range(nproc))
+    (fresh, fresh_reports), (forked, forked_reports) = runs[True], runs[False]
+    assert [report[1:] for report in forked_reports] == [report[1:] for report in fresh_reports]
+    assert f"threads {1 if nproc > 1 else torch.get_num_threads()} " in forked_reports[0][3]
+    assert forked_reports[0][5:] == ["own session True", "fds ['0', '1', '2', '3'] False"]
+    assert forked.returncode == fresh.returncode == (1 if nproc > 1 else 0)
+    if nproc > 1:  # rank 1 exited 3: torchrun names it, with its exit code
+        for proc in (fresh, forked):
+            assert re.search(r"rank\s*: 1 \(local_rank: 1\)\n\s*exitcode\s*: 3 ", proc.stderr)
+    helpers = [str(p.pid) for p in Preimported.get().processes]
+    deadline = time.monotonic() + 60  # (a helper reaps a worker within 0.05 s of its agent's end)
+    while any(children_of(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(children_of(pid) for pid in helpers)
+
+
+def children_of(pid: str) -> list[str]:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
