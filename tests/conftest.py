@@ -86,9 +86,10 @@ def launch(args: list[str], *, env=None, timeout=300, check=True, cwd=REPO,
            fresh=False) -> subprocess.CompletedProcess:
     """Run a command to completion; on an unexpected exit code show its output.
 
-    A step or torchrun's agent runs as a child forked from a process that has imported torch
-    (tests/preimported.py: its docstring says what that changes, and when a run is started
-    fresh anyway); fresh=True, or FRESH_PROCESSES=1 for the whole suite, starts every one anew."""
+    A step, or torchrun's agent and its workers, run as children forked from a process that has
+    imported torch (tests/preimported.py: its docstring says what that changes, and when a run
+    is started fresh anyway); fresh=True, or FRESH_PROCESSES=1 for the whole suite, starts every
+    one anew."""
     args, env = [str(a) for a in args], env or base_env()
     request = None if fresh else forkable(args, env, cwd)
     if request is None:

@@ -9,9 +9,10 @@ argv, sys.path[0], stdin, stdout and stderr), and ends through the interpreter's
 
 conftest starts two per pytest process: one under the tests' environment, one under it with
 OMP_NUM_THREADS=1, the variable torchrun sets for its workers (libgomp reads it when torch
-loads). A torchrun agent forked from here has its workers forked too (fork_workers): they are
-children of the helper, in sessions of their own as torchrun makes them, and the agent follows
-them through a handle with Popen's pid, poll, wait and signals.
+loads). What a forked run starts with subprocess.Popen is forked too where it can be
+(fork_children: torchrun's workers, the tour's steps): the child is the helper's, in a session
+of its own where Popen was asked for one, and its parent follows it through a handle with
+Popen's pid, poll, wait and signals.
 
 What differs from a fresh interpreter, and so where `conftest.launch` starts one instead:
 - torch, torchvision and numpy were imported under this process's environment. A run whose
@@ -20,9 +21,10 @@ What differs from a fresh interpreter, and so where `conftest.launch` starts one
 - `python -c`, and anything that is not this interpreter running a .py file or a module;
 - Python's hash seed and numpy's global random state are this process's (the steps seed what
   they draw from explicitly; Python's `random` reseeds itself in a forked child);
-- a forked worker's parent is the helper, not torchrun's agent: workers are forked only where
-  the launch has a run id of its own (a uuid, as --standalone makes), which is what tells
-  launches apart when `harness.peers.this_launch` would otherwise read the parent.
+- a child forked through fork_children has the helper as its parent, not the process that
+  asked for it: ranks are forked so only where their launch has a run id of its own (a uuid, as
+  torchrun --standalone makes), which tells launches apart where `harness.peers.this_launch`
+  would otherwise read the parent.
 A test whose claim is about starting up (an import that must come first, a Ctrl-C while torch
 loads) uses subprocess itself, or launch(..., fresh=True).
 
@@ -148,12 +150,11 @@ def run(request: dict) -> int:
     from importlib.machinery import SourceFileLoader
 
     target, *args = request["argv"]
+    fork_children()
     try:
         if request["module"]:
             sys.argv = [target, *args]  # (run_module puts the module's file in argv[0])
             sys.path.insert(0, request["cwd"])  # `python -m`: the working directory first
-            if target == "torch.distributed.run":
-                fork_workers()
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:  # as `python SCRIPT` does: argv[0] as given, __file__ absolute (3.9+)
             sys.argv = [target, *args]
@@ -194,32 +195,56 @@ def helper_for(env: dict, helpers: list[dict]) -> str | None:
     return next((h["socket"] for h in helpers if differs_only_late(env, h["env"])), None)
 
 
-def worker_request(args: tuple, env: dict) -> dict | None:
-    """The request that forks the torchrun worker `args` would start, or None where it must be
-    started fresh: not this interpreter running a .py file as `python -u SCRIPT` (torchrun's
-    command without --no-python or --module; -u is the helpers' PYTHONUNBUFFERED=1), or a launch
-    without a run id of its own (a static rendezvous: see the docstring)."""
-    if (len(args) < 3 or args[0] != sys.executable or args[1] != "-u"
-            or not args[2].endswith(".py") or env.get("PYTHONUNBUFFERED") != "1"):
+def child_request(positional: tuple, kwargs: dict) -> tuple[dict, list[int]] | None:
+    """The request (and stdin, stdout, stderr) that forks what subprocess.Popen(*positional,
+    **kwargs) would start, or None where Popen must start it: anything but this interpreter
+    running a .py file (`-u` allowed: the helpers run with PYTHONUNBUFFERED=1) or torchrun,
+    with no pipes (inherited stdin; stdout and stderr inherited or files), in an environment
+    a helper imported torch under; and ranks whose launch has no run id of its own (a uuid, as
+    torchrun --standalone makes), as harness.peers.this_launch would read their parent."""
+    args = positional[0] if len(positional) == 1 else kwargs.get("args") if not positional else None
+    kwargs = {k: v for k, v in kwargs.items() if k != "args"}
+    streams = [kwargs.get("stdout"), kwargs.get("stderr")]
+    if (not isinstance(args, (list, tuple)) or set(kwargs) - {"cwd", "env", "stdout", "stderr",
+                                                             "start_new_session"}
+            or any(s is not None and not hasattr(s, "fileno") for s in streams)
+            or not all(isinstance(a, (str, os.PathLike)) for a in args)):
+        return None
+    args, env = [os.fspath(a) for a in args], dict(kwargs.get("env") or os.environ)
+    rest = args[1:] if args[:1] == [sys.executable] else []
+    if rest[:1] == ["-u"] and env.get("PYTHONUNBUFFERED") == "1":
+        rest = rest[1:]
+    if rest[:2] == ["-m", "torch.distributed.run"]:
+        module, argv = True, rest[1:]
+    elif rest[:1] and rest[0].endswith(".py"):
+        module, argv = False, rest
+    else:
         return None
     try:
-        uuid.UUID(env.get("TORCHELASTIC_RUN_ID", ""))
+        if "TORCHELASTIC_RUN_ID" in env:
+            uuid.UUID(env["TORCHELASTIC_RUN_ID"])
+        elif "WORLD_SIZE" in env:
+            return None
     except ValueError:
         return None
     with open(HELPERS) as f:
         helper = helper_for(env, json.load(f))
     if helper is None:
         return None
-    return {"argv": list(args[2:]), "module": False, "env": env, "cwd": os.getcwd(),
-            "new_session": True, "socket": helper}
+    fds = [0, *(s.fileno() if s is not None else n for s, n in zip(streams, (1, 2)))]
+    return {"argv": argv, "module": module, "env": env, "socket": helper,
+            "cwd": os.path.abspath(os.fspath(kwargs.get("cwd") or os.getcwd())),
+            "new_session": bool(kwargs.get("start_new_session"))}, fds
 
 
-class ForkedWorker:
-    """What torchrun's agent keeps of a worker forked by a helper: Popen's pid, poll, wait,
-    returncode and signals. The helper says on the connection when the worker has ended."""
+class ForkedChild:
+    """What its parent keeps of a child forked by a helper: Popen's pid, poll, wait,
+    returncode, signals and `with`. The helper says on the connection when the child has ended."""
 
-    def __init__(self, args: tuple, request: dict, fds: list[int]):
-        self.args, self.returncode, self._pending = args, None, b""
+    stdin = stdout = stderr = None
+
+    def __init__(self, request: dict, fds: list[int]):
+        self.args, self.returncode, self._pending = request["argv"], None, b""
         self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._connection.connect(request["socket"])
         socket.send_fds(self._connection, [json.dumps(request).encode() + b"\n"], fds)
@@ -264,28 +289,21 @@ class ForkedWorker:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def __enter__(self):
+        return self
 
-def fork_workers() -> None:
-    """In torchrun's agent forked from here: start its workers as children forked by a helper
-    whose environment theirs matches, where torch's SubprocessHandler is as torch 2.14.1 has it
-    (a _popen(args, env) that starts one worker); elsewhere torchrun starts them itself."""
-    try:
-        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
-            subprocess_handler as module)
-        handler = module.SubprocessHandler
-        popen = handler._popen
-    except (ImportError, AttributeError):
-        return
+    def __exit__(self, *exc_info):
+        self.wait()
 
-    def _popen(self, args, env):
-        request = worker_request(tuple(args), env)
-        if request is None or not {"_stdout", "_stderr"} <= vars(self).keys():
-            return popen(self, args, env)
-        fds = [0, *(stream.fileno() if stream else default
-                    for stream, default in ((self._stdout, 1), (self._stderr, 2)))]
-        return ForkedWorker(tuple(args), request, fds)
 
-    handler._popen = _popen
+def fork_children() -> None:
+    """In a forked run: what it starts with subprocess.Popen is forked by a helper too, where
+    child_request can (torchrun's workers, the tour's steps); the rest Popen starts itself."""
+    def __new__(cls, *positional, **kwargs):
+        asked = child_request(positional, kwargs) if cls is subprocess.Popen else None
+        return object.__new__(cls) if asked is None else ForkedChild(*asked)
+
+    subprocess.Popen.__new__ = staticmethod(__new__)
 
 
 if __name__ == "__main__":

@@ -136,3 +136,36 @@ def test_torchruns_forked_workers_see_and_end_as_fresh_ones(tmp_path, nproc):
 
 def children_of(pid: str) -> list[str]:
     return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+
+PARENT = textwrap.dedent("""
+    import subprocess, sys
+    child = [sys.executable, "child.py"]
+    with subprocess.Popen(child, start_new_session=True) as started:  # inherits stdout
+        pass
+    piped = subprocess.run(child, capture_output=True, text=True)  # pipes: Popen's own
+    print("exit codes", started.returncode, piped.returncode, type(started).__name__,
+          type(piped).__name__, flush=True)
+    print("piped said", piped.stdout.split()[-1])
+    """)
+CHILD = textwrap.dedent("""
+    import os, sys
+    print("torch loaded:", "torch" in sys.modules, "own session:", os.getsid(0) == os.getpid())
+    sys.exit(5)
+    """)
+
+
+def test_a_forked_runs_children_are_forked_where_popen_can_be(tmp_path):
+    """What a forked run starts with subprocess.Popen (the tour's steps, torchrun's workers) is
+    forked too where it inherits its stdin and needs no pipe: it prints and ends as a fresh
+    child does, in a session of its own where asked; a child with pipes is Popen's own."""
+    (tmp_path / "parent.py").write_text(PARENT)
+    (tmp_path / "child.py").write_text(CHILD)
+    fresh, forked = both([sys.executable, "parent.py"], cwd=tmp_path)
+    assert fresh.stdout.splitlines() == [
+        "torch loaded: False own session: True", "exit codes 5 5 Popen CompletedProcess",
+        "piped said False"], fresh.stdout
+    assert forked.stdout.splitlines() == [
+        "torch loaded: True own session: True", "exit codes 5 5 ForkedChild CompletedProcess",
+        "piped said False"], forked.stdout
+    assert fresh.returncode == forked.returncode == 0 and fresh.stderr == forked.stderr == ""
