@@ -53,7 +53,7 @@ def synthetic_runs(tmp_path_factory):
                        ("synthetic", ["--data", "synthetic", "--deterministic"]),
                        ("seed1", ["--data", "synthetic", "--seed", 1])]:
         out = root / name
-        proc = run_step("00_single_gpu.py", [*args, *SMALL, "--train-samples", 2048,
+        proc = run_step("00_single_gpu.py", [*args, *SMALL, "--train-samples", 1024,
                                              "--epochs", 2, "--out-dir", out])
         runs[name] = (proc, read_summary(out), torch.load(out / "checkpoint.pt",
                                                           weights_only=True)["model"])
