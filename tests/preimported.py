@@ -10,8 +10,8 @@ argv, sys.path[0], stdin, stdout and stderr), and ends through the interpreter's
 conftest starts two per pytest process: one under the tests' environment, one under it with
 OMP_NUM_THREADS=1, the variable torchrun sets for its workers (libgomp reads it when torch
 loads). What a forked run starts with subprocess.Popen is forked too where it can be
-(fork_children: torchrun's workers, the tour's steps): the child is the helper's, in a session
-of its own where Popen was asked for one, and its parent follows it through a handle with
+(fork_children: torchrun's workers, the tour's steps, each asked for in a session of its own):
+the child is the helper's, in that session, and its parent follows it through a handle with
 Popen's pid, poll, wait and signals.
 
 What differs from a fresh interpreter, and so where `conftest.launch` starts one instead:
@@ -198,15 +198,17 @@ def helper_for(env: dict, helpers: list[dict]) -> str | None:
 def child_request(positional: tuple, kwargs: dict) -> tuple[dict, list[int]] | None:
     """The request (and stdin, stdout, stderr) that forks what subprocess.Popen(*positional,
     **kwargs) would start, or None where Popen must start it: anything but this interpreter
-    running a .py file (`-u` allowed: the helpers run with PYTHONUNBUFFERED=1) or torchrun,
-    with no pipes (inherited stdin; stdout and stderr inherited or files), in an environment
-    a helper imported torch under; and ranks whose launch has no run id of its own (a uuid, as
-    torchrun --standalone makes), as harness.peers.this_launch would read their parent."""
+    running a .py file (`-u` allowed: the helpers run with PYTHONUNBUFFERED=1) or torchrun, in
+    a session of its own (as torchrun starts its workers and the tour its steps: a child of the
+    helper could not join its asker's process group), with no pipes (inherited stdin; stdout and
+    stderr inherited or files), in an environment a helper imported torch under; and ranks whose
+    launch has no run id of its own (a uuid, as torchrun --standalone makes), as
+    harness.peers.this_launch would read their parent."""
     args = positional[0] if len(positional) == 1 else kwargs.get("args") if not positional else None
     kwargs = {k: v for k, v in kwargs.items() if k != "args"}
     streams = [kwargs.get("stdout"), kwargs.get("stderr")]
-    if (not isinstance(args, (list, tuple)) or set(kwargs) - {"cwd", "env", "stdout", "stderr",
-                                                             "start_new_session"}
+    if (not isinstance(args, (list, tuple)) or not kwargs.get("start_new_session")
+            or set(kwargs) - {"cwd", "env", "stdout", "stderr", "start_new_session"}
             or any(s is not None and not hasattr(s, "fileno") for s in streams)
             or not all(isinstance(a, (str, os.PathLike)) for a in args)):
         return None
@@ -234,7 +236,7 @@ def child_request(positional: tuple, kwargs: dict) -> tuple[dict, list[int]] | N
     fds = [0, *(s.fileno() if s is not None else n for s, n in zip(streams, (1, 2)))]
     return {"argv": argv, "module": module, "env": env, "socket": helper,
             "cwd": os.path.abspath(os.fspath(kwargs.get("cwd") or os.getcwd())),
-            "new_session": bool(kwargs.get("start_new_session"))}, fds
+            "new_session": True}, fds
 
 
 class ForkedChild:

@@ -144,8 +144,10 @@ PARENT = textwrap.dedent("""
     with subprocess.Popen(child, start_new_session=True) as started:  # inherits stdout
         pass
     piped = subprocess.run(child, capture_output=True, text=True)  # pipes: Popen's own
+    grouped = subprocess.Popen(child)  # in its asker's process group: Popen's own
+    grouped.wait()
     print("exit codes", started.returncode, piped.returncode, type(started).__name__,
-          type(piped).__name__, flush=True)
+          type(piped).__name__, type(grouped).__name__, flush=True)
     print("piped said", piped.stdout.split()[-1])
     """)
 CHILD = textwrap.dedent("""
@@ -157,15 +159,18 @@ CHILD = textwrap.dedent("""
 
 def test_a_forked_runs_children_are_forked_where_popen_can_be(tmp_path):
     """What a forked run starts with subprocess.Popen (the tour's steps, torchrun's workers) is
-    forked too where it inherits its stdin and needs no pipe: it prints and ends as a fresh
-    child does, in a session of its own where asked; a child with pipes is Popen's own."""
+    forked too where it is asked for in a session of its own and needs no pipe: it prints and
+    ends as a fresh child does; a child with pipes, or in its asker's process group, is Popen's
+    own."""
     (tmp_path / "parent.py").write_text(PARENT)
     (tmp_path / "child.py").write_text(CHILD)
     fresh, forked = both([sys.executable, "parent.py"], cwd=tmp_path)
     assert fresh.stdout.splitlines() == [
-        "torch loaded: False own session: True", "exit codes 5 5 Popen CompletedProcess",
+        "torch loaded: False own session: True", "torch loaded: False own session: False",
+        "exit codes 5 5 Popen CompletedProcess Popen",
         "piped said False"], fresh.stdout
     assert forked.stdout.splitlines() == [
-        "torch loaded: True own session: True", "exit codes 5 5 ForkedChild CompletedProcess",
+        "torch loaded: True own session: True", "torch loaded: False own session: False",
+        "exit codes 5 5 ForkedChild CompletedProcess Popen",
         "piped said False"], forked.stdout
     assert fresh.returncode == forked.returncode == 0 and fresh.stderr == forked.stderr == ""
