@@ -1,8 +1,8 @@
 """A process that has imported torch once and forks a child for each run that `launch` asks of it.
 
 A run of a step or of torchrun's agent spends 2-3 s of CPU importing torch and torchvision
-before its first line; the suite starts about 200 of them, and their torchrun workers about 200
-more. Here the imports are done once: each run is a child forked from this process, which then
+before its first line, and the suite starts hundreds of them (steps, torchrun's agents and
+their workers). Here the imports are done once: each run is a child forked from this process, which then
 runs the script as `python SCRIPT` or `python -m MODULE` would (its own pid, cwd, environment,
 argv, sys.path[0], stdin, stdout and stderr), and ends through the interpreter's own exit
 (atexit, finalization), with its own exit status.
@@ -22,7 +22,7 @@ What differs from a fresh interpreter, and so where `conftest.launch` starts one
 - Python's hash seed and numpy's global random state are this process's (the steps seed what
   they draw from explicitly; Python's `random` reseeds itself in a forked child);
 - a child forked through fork_children has the helper as its parent, not the process that
-  asked for it: ranks are forked so only where their launch has a run id of its own (a uuid, as
+  asked for it: ranks are forked only where their launch has a run id of its own (a uuid, as
   torchrun --standalone makes), which tells launches apart where `harness.peers.this_launch`
   would otherwise read the parent.
 A test whose claim is about starting up (an import that must come first, a Ctrl-C while torch
@@ -67,15 +67,18 @@ def listen(path: str) -> socket.socket:
 
 
 def receive(connection: socket.socket) -> tuple[dict, list[int]]:
-    """A request (one line of JSON) and the file descriptors sent with it (stdin, stdout,
-    stderr of a torchrun worker; none from pytest, which names files instead)."""
+    """A request (one line of JSON) and the file descriptors sent with it (stdin, stdout and
+    stderr of a child a forked run asked for; none from pytest, which names files instead)."""
     data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
     while data and not data.endswith(b"\n"):
         more = connection.recv(1 << 16)
         if not more:
             break
         data += more
-    return json.loads(data or b"null"), fds
+    try:
+        return json.loads(data), fds
+    except ValueError:  # empty or cut: its asker ended before it had asked
+        return {}, fds
 
 
 def returncode(info) -> int:
@@ -112,8 +115,11 @@ def serve(server: socket.socket) -> tuple[dict, list[int]]:
             continue
         connection, _ = server.accept()
         request, fds = receive(connection)
-        if not request:  # the pytest process is done with us
-            return {}, []
+        if not request:
+            for fd in fds:
+                os.close(fd)
+            connection.close()
+            continue
         pid = os.fork()
         if pid == 0:  # the run: it keeps no connection of ours
             for other in [server, connection, *running.values(), *ended.values()]:
