@@ -114,9 +114,12 @@ def _first_to_say(message: str) -> bool:
         return True  # no private folder (another user's, or a link): rather twice than never
     try:
         for old in os.scandir(folder):  # markers of launches long gone (only names we make)
-            if (_MARKER_NAME.fullmatch(old.name) and old.is_file(follow_symlinks=False)
-                    and old.stat(follow_symlinks=False).st_mtime < time.time() - 86400):
-                os.unlink(old.name, dir_fd=folder)
+            try:
+                if (_MARKER_NAME.fullmatch(old.name) and old.is_file(follow_symlinks=False)
+                        and old.stat(follow_symlinks=False).st_mtime < time.time() - 86400):
+                    os.unlink(old.name, dir_fd=folder)
+            except FileNotFoundError:
+                pass  # another rank of this launch, clearing them too, was first
         os.close(os.open(key, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600,
                          dir_fd=folder))
     except FileExistsError:

@@ -14,6 +14,8 @@ import runpy
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
 
 import pytest
@@ -108,6 +110,34 @@ def test_batch_not_divisible_by_world_size_prints_once(tmp_path):
     assert "error_file: <N/A>" not in root_cause, root_cause
     assert f"traceback : UserError: {line.split('error: ', 1)[1].split(' (rank ')[0]}" in \
         root_cause, root_cause
+
+
+def test_a_marker_another_rank_cleared_first_does_not_print_the_error_twice(tmp_path,
+                                                                           monkeypatch):
+    """Each rank that reports an error first clears the markers older than a day. Two ranks of
+    one launch clear the same ones: the second found a marker already gone, took the
+    FileNotFoundError for "no marker possible" and printed the error a second time (the CI run
+    of 65a0604, a day after earlier runs had left markers: 2 tests failed). Here the other rank's
+    unlink happens between this rank's listing and its own."""
+    from harness import peers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = tmp_path / f"ddp-tutorial-errors-{os.geteuid()}"
+    folder.mkdir(mode=0o700)
+    old = folder / ("0" * 20)
+    old.touch()
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    listing = os.scandir
+
+    def listed_then_removed_by_the_other_rank(fd):
+        entries = list(listing(fd))
+        old.unlink()
+        return iter(entries)
+
+    monkeypatch.setattr(os, "scandir", listed_then_removed_by_the_other_rank)
+    assert peers._first_to_say("a message")  # this rank says it ...
+    monkeypatch.setattr(os, "scandir", listing)
+    assert not peers._first_to_say("a message")  # ... and its peer, finding the marker, does not
 
 
 def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):
