@@ -218,7 +218,8 @@ def child_request(positional: tuple, kwargs: dict) -> tuple[dict, list[int]] | N
             or any(s is not None and not hasattr(s, "fileno") for s in streams)
             or not all(isinstance(a, (str, os.PathLike)) for a in args)):
         return None
-    args, env = [os.fspath(a) for a in args], dict(kwargs.get("env") or os.environ)
+    args = [os.fspath(a) for a in args]
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])  # (env={}: empty)
     rest = args[1:] if args[:1] == [sys.executable] else []
     if rest[:1] == ["-u"] and env.get("PYTHONUNBUFFERED") == "1":
         rest = rest[1:]
