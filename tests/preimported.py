@@ -323,6 +323,12 @@ if __name__ == "__main__":
     import torchvision  # noqa: F401 -- would warn that it was imported before it ran)
 
     HELPERS = sys.argv[2]
+    # Every object so far moves to the collector's permanent generation: a forked child's
+    # collections, and its interpreter's exit, then leave them alone instead of touching each
+    # one, which copied every page of them in each child (gc.freeze's documented use). A forked
+    # run of an empty script: 1.2 s of exit before, 0.3 s after (torch 2.14.1, this VM).
+    import gc
+    gc.freeze()
     listening = listen(sys.argv[1])
     print("ready", flush=True)  # (after the bind: a client may connect at once)
     asked, received = serve(listening)
