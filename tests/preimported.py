@@ -4,8 +4,8 @@ A run of a step or of torchrun's agent spends 2-3 s of CPU importing torch and t
 before its first line, and the suite starts hundreds of them (steps, torchrun's agents and
 their workers). Here the imports are done once: each run is a child forked from this process, which then
 runs the script as `python SCRIPT` or `python -m MODULE` would (its own pid, cwd, environment,
-argv, sys.path[0], stdin, stdout and stderr), and ends through the interpreter's own exit
-(atexit, finalization), with its own exit status.
+argv, sys.path[0], stdin, stdout and stderr), and ends as the interpreter's exit begins (see
+end), with its own exit status.
 
 conftest starts two per pytest process: one under the tests' environment, one under it with
 OMP_NUM_THREADS=1, the variable torchrun sets for its workers (libgomp reads it when torch
@@ -21,6 +21,7 @@ What differs from a fresh interpreter, and so where `conftest.launch` starts one
 - `python -c`, and anything that is not this interpreter running a .py file or a module;
 - Python's hash seed and numpy's global random state are this process's (the steps seed what
   they draw from explicitly; Python's `random` reseeds itself in a forked child);
+- at its end, objects still alive are not finalized (see end);
 - a child forked through fork_children has the helper as its parent, not the process that
   asked for it: ranks are forked only where their launch has a run id of its own (a uuid, as
   torchrun --standalone makes), which tells launches apart where `harness.peers.this_launch`
@@ -193,6 +194,36 @@ def run(request: dict) -> int:
     return 0
 
 
+def end(code: int) -> None:
+    """Leave as Python's exit does up to its flush of stdout and stderr: wait for the threads
+    that are not daemons, run the atexit functions, flush (exit status 120 if that fails, as
+    Python's), then os._exit. What Python does after that, tearing its modules down, is left
+    out: in a child forked from here it touched, and so copied, every page of what the helper
+    imported, 0.3 s of each child's CPU even with gc.freeze (a 2-rank torchrun of 03: 2.6 s to
+    2.0 s a launch, median of 6, interleaved, this VM, torch 2.14.1). What it would do there is
+    finalize the objects still alive, which Python does not promise ("It is not guaranteed that
+    __del__() methods are called for objects that still exist when the interpreter exits", the
+    language reference, object.__del__), and run C++'s static destructors: a run that must
+    prove those (a group's destructor at exit) starts fresh, as every run does with
+    FRESH_PROCESSES=1 and in CI's oldest-torch leg (.ci/oldest_torch.py)."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # (what Python's own exit calls first: it joins non-daemon threads)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except Exception as err:  # noqa: BLE001 -- as Python: exit status 120, and for
+            code = 120  # stdout, what its hook for an unraisable exception prints
+            if stream is sys.stdout:
+                import traceback
+                print(f"Exception ignored in: {stream!r}", file=sys.stderr)
+                traceback.print_exception(type(err), err, None, file=sys.stderr)
+    os._exit(code)
+
+
 HELPERS = ""  # the file that lists every helper's socket and environment (argv[2])
 
 
@@ -334,4 +365,4 @@ if __name__ == "__main__":
     asked, received = serve(listening)
     if asked:
         become(asked, received)
-        sys.exit(run(asked))
+        end(run(asked))
