@@ -22,6 +22,7 @@ What differs from a fresh interpreter, and so where `conftest.launch` starts one
 - Python's hash seed and numpy's global random state are this process's (the steps seed what
   they draw from explicitly; Python's `random` reseeds itself in a forked child);
 - at its end, objects still alive are not finalized (see end);
+- a sitecustomize hook on PYTHONPATH (hook_folder) is imported after torch, not before;
 - a child forked through fork_children has the helper as its parent, not the process that
   asked for it: ranks are forked only where their launch has a run id of its own (a uuid, as
   torchrun --standalone makes), which tells launches apart where `harness.peers.this_launch`
@@ -55,9 +56,23 @@ LATE_VARIABLES = ("PROBE_", "SLURM_", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOC
 
 
 def differs_only_late(env: dict, here: dict) -> bool:
-    """Whether a run's environment equals this process's, but for LATE_VARIABLES."""
+    """Whether a run's environment equals this process's, but for LATE_VARIABLES and a
+    PYTHONPATH that only adds a hook (see hook_folder)."""
     changed = (env.keys() ^ here.keys()) | {k for k in env.keys() & here.keys() if env[k] != here[k]}
+    if "PYTHONPATH" not in here and hook_folder(env.get("PYTHONPATH")):
+        changed.discard("PYTHONPATH")
     return all(name.startswith(LATE_VARIABLES) for name in changed)
+
+
+def hook_folder(pythonpath: str | None) -> bool:
+    """Whether PYTHONPATH is one folder that holds a sitecustomize.py and nothing else that
+    could be imported, as the tests' hooks do (conftest.KILL_RANK_1_AT_STEP_27): Python imports
+    it as it starts, before the script; a forked run imports it before its run, after torch
+    (become), with the folder where PYTHONPATH puts it on sys.path. Anything more on PYTHONPATH
+    could hold a module this process imported from elsewhere: such a run starts fresh."""
+    if not pythonpath or os.pathsep in pythonpath or not os.path.isdir(pythonpath):
+        return False
+    return set(os.listdir(pythonpath)) - {"__pycache__"} == {"sitecustomize.py"}
 
 
 def listen(path: str) -> socket.socket:
@@ -147,6 +162,11 @@ def become(request: dict, fds: list[int]) -> None:
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
+    hook = os.environ.get("PYTHONPATH")
+    if hook and "sitecustomize" not in sys.modules:  # (a hook_folder: differs_only_late)
+        import site
+        sys.path.insert(0, hook)  # (run puts the script's folder before it, as Python does)
+        site.execsitecustomize()  # (Python's own: an error in it is one line, and the run goes on)
 
 
 def run(request: dict) -> int:

@@ -100,6 +100,31 @@ def test_what_torch_reads_at_import_starts_a_run_fresh(tmp_path, monkeypatch):
     assert forkable(script, here, REPO) is None
 
 
+def test_a_sitecustomize_hook_on_pythonpath_runs_forked_as_fresh(tmp_path):
+    """PYTHONPATH holding only a sitecustomize.py (conftest.KILL_RANK_1_AT_STEP_27's way in):
+    forked, the hook runs before the script, sees the run's environment, and its folder is on
+    sys.path where PYTHONPATH puts it; an error in it is Python's one line. Anything else on
+    that folder, and the run starts fresh."""
+    hook, script = tmp_path / "hook", tmp_path / "show.py"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\nprint('hook', os.environ.get('PROBE_WHAT'), sys.path.index(%r))\n"
+        "if os.environ.get('PROBE_WHAT') == 'fail':\n    raise ValueError('planted')\n"
+        % str(hook))
+    script.write_text("import sys\nprint('script', sys.path.index(%r))\n" % str(hook))
+    for what in ("late", "fail"):
+        env = base_env(PYTHONPATH=hook, PROBE_WHAT=what)
+        assert forkable([sys.executable, str(script)], env, tmp_path) is not None
+        fresh, forked = both([sys.executable, str(script)], env=env, cwd=tmp_path)
+        assert (forked.returncode, forked.stdout, forked.stderr) == \
+            (fresh.returncode, fresh.stdout, fresh.stderr)
+        assert fresh.stdout == f"hook {what} 0\nscript 1\n"  # (before the script's folder)
+        assert fresh.stderr == ("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+                                "ValueError: planted\n" if what == "fail" else "")
+    (hook / "other.py").write_text("")
+    assert forkable([sys.executable, str(script)], base_env(PYTHONPATH=hook), tmp_path) is None
+
+
 WORKER = textwrap.dedent("""
     import sys
     lines = [f"torch loaded before the first line: {'torch' in sys.modules}"]
