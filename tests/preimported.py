@@ -59,7 +59,8 @@ def differs_only_late(env: dict, here: dict) -> bool:
     """Whether a run's environment equals this process's, but for LATE_VARIABLES and a
     PYTHONPATH that only adds a hook (see hook_folder)."""
     changed = (env.keys() ^ here.keys()) | {k for k in env.keys() & here.keys() if env[k] != here[k]}
-    if "PYTHONPATH" not in here and hook_folder(env.get("PYTHONPATH")):
+    if ("PYTHONPATH" not in here and "sitecustomize" not in sys.modules  # (else one ran here)
+            and hook_folder(env.get("PYTHONPATH"))):
         changed.discard("PYTHONPATH")
     return all(name.startswith(LATE_VARIABLES) for name in changed)
 
@@ -169,8 +170,8 @@ def become(request: dict, fds: list[int]) -> None:
         site.execsitecustomize()  # (Python's own: an error in it is one line, and the run goes on)
 
 
-def run(request: dict) -> int:
-    """Run the script or module as __main__; the exit code Python would end with."""
+def run(request: dict) -> int | str:
+    """Run the script or module as __main__; the exit code Python would end with, or CTRL_C."""
     import builtins
     import runpy
     import types
@@ -206,18 +207,18 @@ def run(request: dict) -> int:
             traceback = traceback.tb_next  # from the script's own frame on, as Python shows it
         sys.excepthook(type(err), err.with_traceback(traceback), traceback)  # (it prints the
         # exception's own __traceback__)
-        if isinstance(err, KeyboardInterrupt):  # Python then ends by SIGINT itself
-            sys.stdout.flush(), sys.stderr.flush()
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        return 1
+        return CTRL_C if isinstance(err, KeyboardInterrupt) else 1
     return 0
 
 
-def end(code: int) -> None:
+CTRL_C = "ctrl-c"  # run's end for an uncaught KeyboardInterrupt: Python ends by SIGINT itself
+
+
+def end(code: int | str) -> None:
     """Leave as Python's exit does up to its flush of stdout and stderr: wait for the threads
     that are not daemons, run the atexit functions, flush (exit status 120 if that fails, as
-    Python's), then os._exit. What Python does after that, tearing its modules down, is left
+    Python's), then os._exit, or, after an uncaught Ctrl-C (CTRL_C), SIGINT to itself as
+    Python sends it once its exit is done. What Python does after that, tearing its modules down, is left
     out: in a child forked from here it touched, and so copied, every page of what the helper
     imported, 0.3 s of each child's CPU even with gc.freeze (a 2-rank torchrun of 03: 2.6 s to
     2.0 s a launch, median of 6, interleaved, this VM, torch 2.14.1). What it would do there is
@@ -241,7 +242,10 @@ def end(code: int) -> None:
                 import traceback
                 print(f"Exception ignored in: {stream!r}", file=sys.stderr)
                 traceback.print_exception(type(err), err, None, file=sys.stderr)
-    os._exit(code)
+    if code == CTRL_C:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code if code != CTRL_C else 1)
 
 
 HELPERS = ""  # the file that lists every helper's socket and environment (argv[2])

@@ -25,6 +25,8 @@ ENDINGS = {
     "exit_message": "import sys\nsys.exit('a message, not a code')\n",
     "exit_code": "raise SystemExit(7)\n",
     "ctrl_c": "raise KeyboardInterrupt\n",
+    # Python runs the atexit functions before it ends by SIGINT
+    "ctrl_c_atexit": "import atexit\natexit.register(print, 'atexit first')\nraise KeyboardInterrupt\n",
     "killed": "import os, signal\nprint('bye', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n",
     # Python's exit first waits for threads that are not daemons, then runs atexit functions
     # (an exception there is printed, not an exit status), then flushes what is still buffered
@@ -72,8 +74,10 @@ def test_a_forked_run_ends_as_a_fresh_one_does(tmp_path, ending):
     assert (forked.returncode, forked.stdout, address.sub("", forked.stderr)) == \
         (fresh.returncode, fresh.stdout, address.sub("", fresh.stderr))
     assert fresh.returncode == {"traceback": 1, "exit_message": 1, "exit_code": 7,
-                                "ctrl_c": -2, "killed": -9, "thread_atexit_buffered": 0,
+                                "ctrl_c": -2, "ctrl_c_atexit": -2, "killed": -9, "thread_atexit_buffered": 0,
                                 "unflushable": 120, "closed": 0}[ending]
+    if ending == "ctrl_c_atexit":
+        assert fresh.stdout == "atexit first\n" and "KeyboardInterrupt" in fresh.stderr
     if ending == "thread_atexit_buffered":
         assert fresh.stdout == "buffered, no newlinethe thread, last\natexit, after the thread\n"
         assert "ZeroDivisionError" in fresh.stderr
