@@ -103,22 +103,79 @@ def launch(args: list[str], *, env=None, timeout=300, check=True, cwd=REPO,
     return proc
 
 
+def start(args: list, log, *, env=None, cwd=REPO, fresh=False):
+    """Start a command and return at once, its stdout and stderr going to the open file `log`
+    (a pipe nobody reads could block it): forked as `launch` forks, in a session of its own
+    and with /dev/null as stdin, or with subprocess.Popen where it cannot be (fresh=True, as
+    launch). The handle has Popen's pid, poll, wait, returncode, send_signal, terminate and
+    kill; `descendants` finds what it starts, forked or not."""
+    args, env = [str(a) for a in args], env or base_env()
+    request = None if fresh else forkable(args, env, cwd)
+    if request is None:
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    else:
+        import preimported
+
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        try:
+            proc = preimported.ForkedChild({**request, "new_session": True},
+                                           [stdin, log.fileno(), log.fileno()])
+        finally:
+            os.close(stdin)
+    proc.log = log
+    return proc
+
+
+def output(proc, timeout: float | None = None) -> str:
+    """What a run `start` began has printed, once it has ended (waiting up to `timeout`)."""
+    proc.wait(timeout=timeout)
+    proc.log.seek(0)
+    return proc.log.read()
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started: its children, and those a helper forked for it (a forked
+    torchrun's workers, a forked tour's steps: tests/preimported.py records who asked)."""
+    found = [int(child) for child in subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()]
+    if Preimported._started is not None:
+        import preimported
+
+        found += sorted(child for child, run in
+                        preimported.asked(str(Preimported._started.folder)).items()
+                        if run["asker"] == int(pid))
+    return found
+
+
+def environment(pid: int) -> dict:
+    """The environment process `pid` runs under (a forked one's, as its helper recorded it)."""
+    if Preimported._started is not None:
+        import preimported
+
+        run = preimported.asked(str(Preimported._started.folder)).get(int(pid))
+        if run is not None:
+            return run["env"]
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(os.fsdecode(item).split("=", 1) for item in f.read().split(b"\0")
+                    if b"=" in item)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (its DataLoader workers; under torchrun the ranks and theirs)."""
+    return [c for child in children(pid) for c in (child, *descendants(child))]
+
+
 def forkable(args: list[str], env: dict, cwd) -> dict | None:
     """The request for tests/preimported.py that runs `args`, or None where it cannot."""
     if os.environ.get("FRESH_PROCESSES") == "1" or len(args) < 2 or args[0] != sys.executable:
         return None
-    if args[1] == "-m" and args[2:3] == ["torch.distributed.run"]:
-        module, argv = True, args[2:]
-    elif args[1].endswith(".py"):
-        module, argv = False, args[1:]
-    else:
-        return None
     import preimported
 
-    helper = preimported.helper_for(env, Preimported.get().helpers)
+    what = preimported.what_runs(args[1:])
+    helper = what and preimported.helper_for(env, Preimported.get().helpers)
     if helper is None:
         return None
-    return {"argv": argv, "module": module, "env": env, "cwd": str(cwd), "socket": helper}
+    return {**what, "env": env, "cwd": str(cwd), "socket": helper}
 
 
 class Preimported:

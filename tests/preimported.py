@@ -2,10 +2,10 @@
 
 A run of a step or of torchrun's agent spends 2-3 s of CPU importing torch and torchvision
 before its first line, and the suite starts hundreds of them (steps, torchrun's agents and
-their workers). Here the imports are done once: each run is a child forked from this process, which then
-runs the script as `python SCRIPT` or `python -m MODULE` would (its own pid, cwd, environment,
-argv, sys.path[0], stdin, stdout and stderr), and ends as the interpreter's exit begins (see
-end), with its own exit status.
+their workers). Here the imports are done once: each run is a child forked from this process,
+which then runs the script as `python SCRIPT`, `python -m MODULE` or `python -c CODE` would
+(its own pid, cwd, environment, argv, sys.path[0], stdin, stdout and stderr), and ends as the
+interpreter's exit begins (see end), with its own exit status.
 
 conftest starts two per pytest process: one under the tests' environment, one under it with
 OMP_NUM_THREADS=1, the variable torchrun sets for its workers (libgomp reads it when torch
@@ -18,15 +18,16 @@ What differs from a fresh interpreter, and so where `conftest.launch` starts one
 - torch, torchvision and numpy were imported under this process's environment. A run whose
   environment differs in anything but LATE_VARIABLES (read only when a step runs, never at
   import), or whose interpreter or PYTHONPATH differs, is started fresh;
-- `python -c`, and anything that is not this interpreter running a .py file or a module;
+- anything that is not this interpreter running a .py file, torchrun or `-c CODE`;
 - Python's hash seed and numpy's global random state are this process's (the steps seed what
   they draw from explicitly; Python's `random` reseeds itself in a forked child);
 - at its end, objects still alive are not finalized (see end);
 - a sitecustomize hook on PYTHONPATH (hook_folder) is imported after torch, not before;
-- a child forked through fork_children has the helper as its parent, not the process that
-  asked for it: ranks are forked only where their launch has a run id of its own (a uuid, as
-  torchrun --standalone makes), which tells launches apart where `harness.peers.this_launch`
-  would otherwise read the parent.
+- a forked child has the helper as its parent, not the process that asked for it, and
+  /proc/PID/environ shows the helper's environment, not its own: the helpers record both (see
+  asked; conftest.children and conftest.environment read them). Ranks are forked only where
+  their launch has a run id of its own (a uuid, as torchrun --standalone makes), which tells
+  launches apart where `harness.peers.this_launch` would otherwise read the parent.
 A test whose claim is about starting up (an import that must come first, a Ctrl-C while torch
 loads) uses subprocess itself, or launch(..., fresh=True).
 
@@ -40,6 +41,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import uuid
@@ -103,12 +105,36 @@ def returncode(info) -> int:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-def serve(server: socket.socket) -> tuple[dict, list[int]]:
+def asker(connection: socket.socket) -> int:
+    """The pid of the process at the other end of a connection (the kernel's SO_PEERCRED)."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                        struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[0]
+
+
+def asked(folder: str) -> dict[int, dict]:
+    """Each running child the helpers forked: {"asker": the pid of the process that asked for it
+    (its parent, as Popen would have made it), "env": the environment it runs under (which
+    /proc/PID/environ does not show: that is the helper's)}. `python tests/preimported.py`
+    writes them in <folder>/asked, where folder holds its HELPERS file (conftest.children)."""
+    found = {}
+    for name in os.listdir(os.path.join(folder, "asked")):
+        try:
+            with open(os.path.join(folder, "asked", name)) as f:
+                found[int(name)] = json.load(f)
+        except (FileNotFoundError, ValueError):  # reaped meanwhile, or ".PID" being written
+            pass
+    return found
+
+
+def serve(server: socket.socket, registry: str) -> tuple[dict, list[int]]:
     """Answer requests until the pytest process is gone; in a forked child, its request.
 
     A child that ended is reaped only once the one who asked for it has closed the connection,
     as a Popen child stays a zombie until its parent waits: torchrun signals a worker's process
-    group after it may have ended, which must not find the group gone or its pid reused."""
+    group after it may have ended, which must not find the group gone or its pid reused. Who
+    asked for each child is in registry/<child pid> (see asked) from before the asker learns
+    the child's pid until just before the child is reaped (a reaped pid may be reused)."""
     running, ended, parent = {}, {}, os.getppid()  # child pid -> the connection that asked for it
     while True:
         ready = select.select([server, *ended.values()], [], [], 0.05)[0]
@@ -123,6 +149,7 @@ def serve(server: socket.socket) -> tuple[dict, list[int]]:
             ended[pid] = running.pop(pid)
         for pid, connection in list(ended.items()):
             if connection in ready:  # closed: nobody will signal or wait for this child again
+                os.unlink(os.path.join(registry, str(pid)))
                 os.waitpid(pid, 0)
                 connection.close()
                 del ended[pid]
@@ -145,6 +172,9 @@ def serve(server: socket.socket) -> tuple[dict, list[int]]:
         for fd in fds:
             os.close(fd)
         running[pid] = connection
+        with open(os.path.join(registry, f".{pid}"), "w") as f:
+            json.dump({"asker": asker(connection), "env": request["env"]}, f)
+        os.rename(os.path.join(registry, f".{pid}"), os.path.join(registry, str(pid)))
         connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 
@@ -175,12 +205,19 @@ def run(request: dict) -> int | str:
     import builtins
     import runpy
     import types
-    from importlib.machinery import SourceFileLoader
+    from importlib.machinery import BuiltinImporter, SourceFileLoader
 
     target, *args = request["argv"]
     fork_children()
     try:
-        if request["module"]:
+        if request.get("code") is not None:  # `python -c CODE ARGS`: argv[0] "-c", and the
+            sys.argv = ["-c", *args]  # working directory ("") first on sys.path
+            sys.path.insert(0, "")
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            main.__dict__.update(__builtins__=builtins, __loader__=BuiltinImporter,
+                                 __annotations__={})
+            exec(compile(request["code"], "<string>", "exec"), main.__dict__)
+        elif request["module"]:
             sys.argv = [target, *args]  # (run_module puts the module's file in argv[0])
             sys.path.insert(0, request["cwd"])  # `python -m`: the working directory first
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -256,6 +293,18 @@ def helper_for(env: dict, helpers: list[dict]) -> str | None:
     return next((h["socket"] for h in helpers if differs_only_late(env, h["env"])), None)
 
 
+def what_runs(rest: list[str]) -> dict | None:
+    """What `python REST...` runs, as a request says it (argv, module, code), where a helper
+    can run it: a .py file, torchrun (`-m torch.distributed.run`) or `-c CODE`; else None."""
+    if rest[:2] == ["-m", "torch.distributed.run"]:
+        return {"argv": rest[1:], "module": True, "code": None}
+    if rest[:1] == ["-c"] and len(rest) > 1:
+        return {"argv": ["-c", *rest[2:]], "module": False, "code": rest[1]}
+    if rest[:1] and rest[0].endswith(".py"):
+        return {"argv": rest, "module": False, "code": None}
+    return None
+
+
 def child_request(positional: tuple, kwargs: dict) -> tuple[dict, list[int]] | None:
     """The request (and stdin, stdout, stderr) that forks what subprocess.Popen(*positional,
     **kwargs) would start, or None where Popen must start it: anything but this interpreter
@@ -278,11 +327,8 @@ def child_request(positional: tuple, kwargs: dict) -> tuple[dict, list[int]] | N
     rest = args[1:] if args[:1] == [sys.executable] else []
     if rest[:1] == ["-u"] and env.get("PYTHONUNBUFFERED") == "1":
         rest = rest[1:]
-    if rest[:2] == ["-m", "torch.distributed.run"]:
-        module, argv = True, rest[1:]
-    elif rest[:1] and rest[0].endswith(".py"):
-        module, argv = False, rest
-    else:
+    what = what_runs(rest)
+    if what is None:
         return None
     try:
         if "TORCHELASTIC_RUN_ID" in env:
@@ -296,7 +342,7 @@ def child_request(positional: tuple, kwargs: dict) -> tuple[dict, list[int]] | N
     if helper is None:
         return None
     fds = [0, *(s.fileno() if s is not None else n for s, n in zip(streams, (1, 2)))]
-    return {"argv": argv, "module": module, "env": env, "socket": helper,
+    return {**what, "env": env, "socket": helper,
             "cwd": os.path.abspath(os.fspath(kwargs.get("cwd") or os.getcwd())),
             "new_session": True}, fds
 
@@ -385,8 +431,10 @@ if __name__ == "__main__":
     import gc
     gc.freeze()
     listening = listen(sys.argv[1])
+    registry = os.path.join(os.path.dirname(HELPERS), "asked")
+    os.makedirs(registry, exist_ok=True)  # (both helpers share it)
     print("ready", flush=True)  # (after the bind: a client may connect at once)
-    asked, received = serve(listening)
-    if asked:
-        become(asked, received)
-        end(run(asked))
+    request, received = serve(listening, registry)
+    if request:
+        become(request, received)
+        end(run(request))

@@ -23,9 +23,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, TEST_SAMPLES, LazyRuns, assert_no_traceback, base_env,
-                      copied_run_killed_at_step_27, frames_of_ours, launch, read_summary,
-                      run_step, torchrun_cmd)
+from conftest import (PORT_TAKEN_RERUNS, RESTART_ARGS, TEST_SAMPLES, LazyRuns,
+                      assert_no_traceback, children, copied_run_killed_at_step_27,
+                      frames_of_ours, launch, read_summary, run_step, start, torchrun_cmd)
 from harness import step09_dcp_checkpoint as dcp_checkpoint
 from harness.errors import UserError
 from harness.model import Net
@@ -319,12 +319,10 @@ def signal_while_it_loads(cmd, out: Path, signum) -> tuple[int, str]:
     exit code and the output."""
     out.mkdir()
     with open(out / "output.txt", "w+") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=log, stderr=log)
+        proc = start(cmd, log)
         deadline = time.monotonic() + 120  # a hang guard
         while not any(Path(f"/proc/{pid}/wchan").read_text() == "wait_for_partner"
-                      for pid in [proc.pid, *subprocess.run(
-                          ["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
-                          text=True).stdout.split()] if Path(f"/proc/{pid}").exists()):
+                      for pid in [proc.pid, *children(proc.pid)] if Path(f"/proc/{pid}").exists()):
             assert proc.poll() is None and time.monotonic() < deadline, log.read()
             time.sleep(0.05)
         proc.send_signal(signum)

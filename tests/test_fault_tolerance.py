@@ -9,7 +9,6 @@ One uninterrupted run is the reference; a run with a rank killed mid-epoch under
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -20,8 +19,9 @@ import torch
 from harness import checkpoint
 from harness import step07_fault_tolerance as fault_tolerance
 from harness import step09_dcp_checkpoint as dcp_checkpoint
-from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, base_env, copied_run_killed_at_step_27, max_difference,
-                      rank_params, read_summary, run_step, saved_checkpoint, torchrun_cmd)
+from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, base_env,
+                      copied_run_killed_at_step_27, max_difference, rank_params, read_summary,
+                      run_step, saved_checkpoint, start, torchrun_cmd)
 from conftest import launch as launch_cmd
 
 # Where torchrun runs with --max-restarts: a restarted group must meet at a fresh store.
@@ -79,13 +79,15 @@ def test_sigterm_saves_stops_and_a_requeued_job_continues_exactly(uninterrupted,
                        "--out-dir", tmp_path)
     env = base_env(PROBE_DIR=tmp_path / "probe_first")
     (tmp_path / "probe_first").mkdir()
-    agent = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    saved = tmp_path / "checkpoint.pt"
-    while not saved.exists() and agent.poll() is None:  # the first step checkpoint
-        time.sleep(0.05)
-    agent.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
-    output = agent.communicate(timeout=120)[0]
+    with open(tmp_path / "output.txt", "w+") as log:
+        agent = start(cmd, log, env=env)
+        saved = tmp_path / "checkpoint.pt"
+        while not saved.exists() and agent.poll() is None:  # the first step checkpoint
+            time.sleep(0.05)
+        agent.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
+        agent.wait(timeout=120)
+        log.seek(0)
+        output = log.read()
     assert "stopping at step" in output and "(SIGTERM): checkpoint saved" in output, output
     # The workers stopped by themselves, well before torchrun's --shutdown-timeout (30 s)
     # would have killed them.

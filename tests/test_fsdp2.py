@@ -7,15 +7,15 @@ its checkpoint.pt, a plain file written by rank 0 from the state gathered from e
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, base_env, copied_run_killed_at_step_27, launch,
-                      read_summary, run_step, torchrun_cmd)
+from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, base_env,
+                      copied_run_killed_at_step_27, launch, output, read_summary, run_step, start,
+                      torchrun_cmd)
 from harness.model import Net
 
 STEP = "08_fsdp2.py"
@@ -129,10 +129,9 @@ def test_hybrid_sharding_on_two_agents_shards_within_each_node(mnist_root, tmp_p
              "--data", "mnist", "--data-dir", str(mnist_root), "--train-samples", 480,
              "--batch-size", 48, "--epochs", 1, "--checkpoint-every", 0, "--out-dir",
              str(tmp_path)]
-    nodes = [subprocess.Popen(list(map(str, agent)), cwd=REPO, env=base_env(OMP_NUM_THREADS=1),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    nodes = [start(agent, open(tmp_path / f"node{n}.txt", "w+"),
+                   env=base_env(OMP_NUM_THREADS=1)) for n in range(2)]
+    outputs = [output(node, timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)
     summary = read_summary(tmp_path)
     assert (summary["world_size"], summary["nodes"]) == (4, 2)

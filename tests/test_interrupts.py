@@ -22,7 +22,8 @@ import pytest
 
 from harness import checkpoint
 from harness import step07_fault_tolerance as fault_tolerance
-from conftest import REPO, base_env, torchrun_cmd
+import conftest
+from conftest import REPO, base_env, children, descendants, environment, launch, torchrun_cmd
 
 # 80 steps of 12 (a long epoch at this machine's pace), a checkpoint every 4, one worker per rank.
 ARGS = ["--data", "synthetic", "--train-samples", 960, "--test-samples", 20, "--batch-size", 12,
@@ -31,11 +32,10 @@ STEP = "07_fault_tolerance.py"
 GUARD_S = 120  # a hang guard, not a speed bound: a hang is what these tests look for
 
 
-def start(cmd, out_dir, **env):
-    """Start `cmd` with its output in a file (a pipe nobody reads could block it)."""
+def start(cmd, out_dir, *, fresh=False, **env):
+    """Start `cmd` (forked where it can be: conftest.start) with its output in a file."""
     log = open(out_dir / "output.txt", "w+")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(**env), stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = conftest.start(cmd, log, env=base_env(**env), fresh=fresh)
     proc.log = log
     return proc
 
@@ -61,13 +61,6 @@ def finish(proc) -> str:
         proc.wait()
         pytest.fail(f"still running {GUARD_S} s after the signal:\n{read(proc)}")
     return read(proc)
-
-
-def descendants(pid) -> list[int]:
-    """Every process below `pid` (its DataLoader workers; under torchrun the ranks and theirs)."""
-    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                              text=True).stdout.split()
-    return [int(c) for child in children for c in (child, *descendants(child))]
 
 
 def alive(pids) -> list[int]:
@@ -109,9 +102,8 @@ def test_ctrl_c_to_the_main_process_ends_the_run_and_its_workers(tmp_path):
     for pid in held:
         os.kill(pid, signal.SIGSTOP)
     try:
-        second = subprocess.run([sys.executable, STEP, *map(str, ARGS), "--out-dir", tmp_path],
-                                cwd=REPO, env=base_env(), capture_output=True, text=True,
-                                timeout=GUARD_S)
+        second = launch([sys.executable, STEP, *ARGS, "--out-dir", tmp_path], check=False,
+                        timeout=GUARD_S)
     finally:
         for pid in held:
             os.kill(pid, signal.SIGCONT)
@@ -167,9 +159,7 @@ errors.run_main(main)
 
 def test_ctrl_c_inside_a_checkpoint_write_is_reported_as_ctrl_c(tmp_path):
     path = tmp_path / "checkpoint.pt"
-    done = subprocess.run([sys.executable, "-c", CTRL_C_MID_SAVE, path], cwd=REPO,
-                          env=base_env(), capture_output=True, text=True,
-                          timeout=GUARD_S)
+    done = launch([sys.executable, "-c", CTRL_C_MID_SAVE, path], check=False, timeout=GUARD_S)
     assert done.returncode == 130, done.stderr[-3000:]
     one_error_line(done.stderr, "interrupted (SIGINT)", "without a checkpoint")
     assert checkpoint.load(path)["epoch"] == 1  # the one saved before is whole
@@ -197,9 +187,8 @@ errors.run_main(main)
 
 
 def report_under_sigterm(seconds: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SIGTERM_WHILE_REPORTING, str(seconds)],
-                          cwd=REPO, env=base_env(), capture_output=True, text=True,
-                          timeout=GUARD_S)
+    return launch([sys.executable, "-c", SIGTERM_WHILE_REPORTING, seconds], check=False,
+                  timeout=GUARD_S)
 
 
 def test_a_sigterm_while_a_rank_reports_its_error_does_not_silence_it():
@@ -259,13 +248,7 @@ def test_a_stop_signal_before_the_first_step_ends_the_process_at_once(tmp_path):
 
 def rank_pids(agent) -> dict[int, int]:
     """{rank: pid} of torchrun's workers (their RANK variable)."""
-    ranks = {}
-    for pid in subprocess.run(["ps", "-o", "pid=", "--ppid", str(agent.pid)],
-                              capture_output=True, text=True).stdout.split():
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        ranks[int(env[b"RANK"])] = int(pid)
-    return ranks
+    return {int(environment(pid)["RANK"]): pid for pid in children(agent.pid)}
 
 
 @pytest.mark.parametrize("ctrl_c_to", ["rank 0", "torchrun"])
@@ -351,7 +334,6 @@ def test_the_watchdog_is_started_once_per_process_and_sleeps():
              "start = time.process_time(); time.sleep(1)\n"
              "print(sum(t.name == 'signal watchdog' for t in threading.enumerate()),\n"
              "      time.process_time() - start)\n")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=base_env(), check=True,
-                         capture_output=True, text=True).stdout.split()
+    out = launch([sys.executable, "-c", probe]).stdout.split()
     assert int(out[0]) == 1
     assert float(out[1]) < 0.1  # CPU seconds in one second of sleep: a spinning thread takes ~1

@@ -7,13 +7,13 @@ tests (test_slurm.py) run the same step across two slurmd nodes.
 
 import re
 import socket
-import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import (PORT_TAKEN_RERUNS, REPO, assert_no_traceback, base_env, max_difference, rank_params,
-                      read_summary, run_step)
+from conftest import (PORT_TAKEN_RERUNS, assert_no_traceback, base_env, max_difference, output,
+                      rank_params, read_summary, run_step, start)
 
 ARGS = ["--no-compile", "--data", "mnist", "--train-samples", 480, "--test-samples", 100,
         "--batch-size", 48, "--epochs", 1]
@@ -40,9 +40,9 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
     # One "node" names its network interface for gloo, as a cluster's module file may: 05
     # reports such variables per rank, so a node set up differently shows.
     envs = [{**env, "GLOO_SOCKET_IFNAME": "lo"}, env]
-    nodes = [subprocess.Popen(agent, cwd=REPO, env=node_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for node_env in envs]
-    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    nodes = [start(agent, open(tmp_path / f"node{n}.txt", "w+"), env=node_env)
+             for n, node_env in enumerate(envs)]
+    outputs = [output(node, timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)
 
     summary = read_summary(out)
@@ -84,9 +84,8 @@ def test_a_rank_killed_on_one_of_two_agents_restarts_both_and_ends_exactly(mnist
              "--data-dir", str(mnist_root), "--out-dir", str(out)]
     env = base_env(PROBE_DIR=out / "probe", OMP_NUM_THREADS=1, PROBE_KILL="1:15",
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
-    nodes = [subprocess.Popen(agent, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    nodes = [start(agent, open(tmp_path / f"node{n}.txt", "w+"), env=env) for n in range(2)]
+    outputs = [output(node, timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)
     # Killed after step 15 = step 5 of epoch 2; the last checkpoint was at step 4 of epoch 2.
     assert "resumed at step 4 of epoch 2" in "".join(outputs)
@@ -115,8 +114,7 @@ def test_an_error_only_one_node_has_is_printed_there_and_the_other_names_it(mnis
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "one_node_error",
                "--rdzv-endpoint", endpoint, "05_multinode.py", *map(str, ARGS), "--timeout", 5,
                "--data-dir", mnist_root, "--out-dir", tmp_path / "out", "--resume", resume]
-        return subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=base_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return start(cmd, open(tmp_path / f"{Path(resume).stem}.txt", "w+"))
 
     # Node 0 first: the first agent hosts the rendezvous and, with the lower pid, becomes node 0,
     # whose agent hosts the workers' store. (Were node 0 the failing one, its agent would leave
@@ -124,10 +122,10 @@ def test_an_error_only_one_node_has_is_printed_there_and_the_other_names_it(mnis
     nodes = [agent(good)]
     host, port = endpoint.split(":")
     while socket.socket().connect_ex((host, int(port))) != 0:
-        assert nodes[0].poll() is None, nodes[0].communicate()[0]
+        assert nodes[0].poll() is None, output(nodes[0])
         time.sleep(0.05)
     nodes.append(agent(tmp_path / "only_on_the_other_node.pt"))
-    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    outputs = [output(node, timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [1, 1], "\n---\n".join(outputs)
     waited, failed = ([line for line in output.splitlines() if line.startswith("error:")]
                       for output in outputs)
@@ -135,5 +133,5 @@ def test_an_error_only_one_node_has_is_printed_there_and_the_other_names_it(mnis
     rank = re.search(r"\(rank (\d) on \S+\)$", failed[0]).group(1)
     assert len(waited) == 1, outputs[0]
     assert f"waited 5 s (--timeout) for rank(s) {rank} to join" in waited[0], waited[0]
-    for output in outputs:  # (torchrun's own ChildFailedError traceback is allowed)
-        assert_no_traceback(SimpleNamespace(stdout=output, stderr=""))
+    for printed in outputs:  # (torchrun's own ChildFailedError traceback is allowed)
+        assert_no_traceback(SimpleNamespace(stdout=printed, stderr=""))

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, Preimported, base_env, forkable, launch, torchrun_cmd
+import preimported
+from conftest import (REPO, Preimported, base_env, children, descendants, environment, forkable,
+                      launch, output, start, torchrun_cmd)
 
 SHOW = textwrap.dedent("""
     import os, sys
@@ -66,6 +68,25 @@ def test_a_forked_run_sees_what_a_fresh_one_sees(tmp_path):
     assert torch_loaded == "True" and fresh.stdout.splitlines()[1] == "False"
 
 
+# `python -c CODE ARGS`: argv[0] "-c", the working directory ("") first on sys.path, a __main__
+# with no __file__, and a traceback from "<string>"
+SHOW_C = ("import os, sys\n"
+          "print(sys.argv, repr(sys.path[0]), os.getcwd(), __name__, __loader__, __spec__,\n"
+          "      sorted(globals()))\n"
+          "raise ValueError('planted')\n")
+
+
+def test_python_c_forked_is_python_c_fresh(tmp_path):
+    args = [sys.executable, "-c", SHOW_C, "--flag", "x y"]
+    assert forkable(args, base_env(), tmp_path) is not None
+    fresh, forked = both(args, cwd=tmp_path)
+    assert (forked.returncode, forked.stdout, forked.stderr) == \
+        (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.stdout.startswith(f"['-c', '--flag', 'x y'] '' {tmp_path} __main__ ")
+    assert "'__annotations__', '__builtins__', '__doc__'" in fresh.stdout
+    assert fresh.returncode == 1 and 'File "<string>", line 4, in <module>' in fresh.stderr
+
+
 @pytest.mark.parametrize("ending", ENDINGS)
 def test_a_forked_run_ends_as_a_fresh_one_does(tmp_path, ending):
     (tmp_path / "end.py").write_text(ENDINGS[ending])
@@ -98,7 +119,7 @@ def test_what_torch_reads_at_import_starts_a_run_fresh(tmp_path, monkeypatch):
                     {"CUDA_VISIBLE_DEVICES": "0"}, {"TORCH_LOGS": "dynamo"},
                     {"TMPDIR": str(tmp_path)}]:  # (tempfile.tempdir is set while torch imports)
         assert forkable(script, {**here, **changed}, REPO) is None, changed
-    assert forkable([sys.executable, "-c", "pass"], here, REPO) is None
+    assert forkable([sys.executable, "-m", "pytest"], here, REPO) is None
     assert forkable([sys.executable, "-X", "importtime", "00_single_gpu.py"], here, REPO) is None
     monkeypatch.setenv("FRESH_PROCESSES", "1")
     assert forkable(script, here, REPO) is None
@@ -223,3 +244,44 @@ def test_a_forked_runs_children_are_forked_where_popen_can_be(tmp_path):
         "exit codes 5 5 ForkedChild CompletedProcess Popen",
         "piped said False"], forked.stdout
     assert fresh.returncode == forked.returncode == 0 and fresh.stderr == forked.stderr == ""
+
+
+WAITING_RANK = textwrap.dedent("""
+    import os, sys, time
+    with open(f"rank{os.environ['RANK']}.pid", "w") as f:
+        f.write(str(os.getpid()))
+    while not os.path.exists("go"):
+        time.sleep(0.02)
+    """)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="reads /proc (Linux)")
+def test_the_tests_find_a_runs_ranks_and_their_environment_forked_or_fresh(tmp_path):
+    """What the signal tests read of a run they started with conftest.start: its children
+    (torchrun's workers: the agent's own children when fresh, the helper's when forked) and each
+    one's environment (its RANK: /proc/PID/environ shows a forked one's helper's). Both the
+    same, fresh or forked; nothing is left recorded once the run has ended."""
+    (tmp_path / "rank.py").write_text(WAITING_RANK)
+    for fresh in (True, False):
+        (tmp_path / "go").unlink(missing_ok=True)
+        with open(tmp_path / f"log{fresh}.txt", "w+") as log:
+            agent = start(torchrun_cmd(2, "rank.py"), log, cwd=tmp_path, fresh=fresh)
+            assert type(agent).__name__ == ("Popen" if fresh else "ForkedChild")
+            pids = [tmp_path / f"rank{rank}.pid" for rank in (0, 1)]
+            deadline = time.monotonic() + 120
+            while not all(p.exists() and p.read_text() for p in pids):
+                assert agent.poll() is None and time.monotonic() < deadline, output(agent)
+                time.sleep(0.02)
+            ranks = {int(p.read_text()): str(rank) for rank, p in enumerate(pids)}
+            assert sorted(children(agent.pid)) == sorted(ranks)
+            assert sorted(descendants(agent.pid)) == sorted(ranks)
+            assert {pid: environment(pid)["RANK"] for pid in ranks} == ranks
+            (tmp_path / "go").write_text("")
+            assert agent.wait(timeout=120) == 0, output(agent)
+            for p in pids:
+                p.unlink()
+    folder = Preimported.get().folder
+    deadline = time.monotonic() + 60  # (a helper reaps a worker within 0.05 s of its agent's end)
+    while preimported.asked(str(folder)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert preimported.asked(str(folder)) == {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, base_env, frames_of_ours, torchrun_cmd
+from conftest import REPO, base_env, frames_of_ours, launch, torchrun_cmd
 from test_interrupts import GUARD_S, alive, descendants, finish, one_error_line, read, start
 
 STEP09 = "09_distributed_checkpoint.py"
@@ -28,10 +28,9 @@ STEP09 = "09_distributed_checkpoint.py"
 def dcp_checkpoint(tmp_path_factory) -> Path:
     """A complete DCP checkpoint of step 09 (one process, one short epoch)."""
     out = tmp_path_factory.mktemp("dcp")
-    subprocess.run([sys.executable, STEP09, "--data", "synthetic", "--train-samples", "192",
-                    "--test-samples", "64", "--batch-size", "48", "--epochs", "1", "--quiet",
-                    "--out-dir", out], cwd=REPO, env=base_env(), check=True, timeout=GUARD_S,
-                   capture_output=True)
+    launch([sys.executable, STEP09, "--data", "synthetic", "--train-samples", "192",
+            "--test-samples", "64", "--batch-size", "48", "--epochs", "1", "--quiet",
+            "--out-dir", out], timeout=GUARD_S)
     return (out / "checkpoint").resolve()
 
 
@@ -118,8 +117,7 @@ errors.run_main(main)
 
 
 def test_ctrl_c_in_the_teardown_after_main_is_one_line():
-    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_TEARDOWN], cwd=REPO, env=base_env(),
-                          capture_output=True, text=True, timeout=GUARD_S)
+    done = launch([sys.executable, "-c", CTRL_C_IN_TEARDOWN], check=False, timeout=GUARD_S)
     assert done.returncode == 130, done.stderr[-3000:]
     one_error_line(done.stderr, "interrupted (SIGINT)")
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -263,13 +261,14 @@ def loading_torch(pids) -> bool:
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_ctrl_c_while_torch_loads_is_one_line(tmp_path, launcher):
     """A Ctrl-C in the first seconds, while the step imports torch: a 37-line KeyboardInterrupt
-    traceback through importlib, from the step or from each of torchrun's workers."""
+    traceback through importlib, from the step or from each of torchrun's workers. (Started
+    fresh: a forked run has torch loaded before its first line.)"""
     args = ["--data", "synthetic", "--epochs", "1", "--out-dir", str(tmp_path / "out")]
     if launcher == "python":
-        proc = start([sys.executable, "00_single_gpu.py", *args], tmp_path)
+        proc = start([sys.executable, "00_single_gpu.py", *args], tmp_path, fresh=True)
         loaders = lambda: [proc.pid]  # noqa: E731
     else:
-        proc = start(torchrun_cmd(2, "02_manual_ddp.py", *args), tmp_path)
+        proc = start(torchrun_cmd(2, "02_manual_ddp.py", *args), tmp_path, fresh=True)
         loaders = lambda: descendants(proc.pid)  # noqa: E731 -- torchrun's workers
     deadline = time.monotonic() + GUARD_S
     while not loading_torch(loaders()):

@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
 import torch
 
-from conftest import PORT_TAKEN_RERUNS, REPO, base_env, launch, torchrun_cmd
+from conftest import PORT_TAKEN_RERUNS, REPO, base_env, children, launch, start, torchrun_cmd
 
 TEMPLATE = "train_template.py"
 # 64 steps an epoch: long enough for a signal to land mid-run, a few seconds on 2 CPU ranks
@@ -64,19 +63,17 @@ def start_and_signal(folder, out, signum, *, torchrun_extra=(), worker=False, en
     """Start the template; once its first checkpoint is written, send `signum` to torchrun (or,
     worker=True, to one of its worker processes). Returns the finished process."""
     cmd = torchrun_cmd(2, script, *args, "--out-dir", out, extra=torchrun_extra)
-    proc = subprocess.Popen(cmd, cwd=folder, env=env or base_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoint.pt").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
-    target = proc.pid
-    if worker:  # a worker: a child of torchrun running the template
-        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
-        target = int(children[-1])
-    os.kill(target, signum)
-    output, _ = proc.communicate(timeout=300)
-    return proc.returncode, output
+    with open(folder / f"{out.name}.log", "w+") as log:
+        proc = start(cmd, log, env=env, cwd=folder)
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.02)
+        # a worker: a child of torchrun running the template (forked or not: conftest.children)
+        os.kill(children(proc.pid)[-1] if worker else proc.pid, signum)
+        proc.wait(timeout=300)
+        log.seek(0)
+        return proc.returncode, log.read()
 
 
 @PORT_TAKEN_RERUNS
