@@ -46,6 +46,11 @@ import subprocess
 import sys
 import uuid
 
+# Whether this interpreter imported a sitecustomize of its own as it started (from its
+# site-packages, say): a hook on PYTHONPATH would then not have been imported. Taken before any
+# run: a forked run that imported a hook (become) still asks for its children as its helper.
+OWN_SITECUSTOMIZE = "sitecustomize" in sys.modules
+
 # Variables the steps, the probe or torch read after import (at a flag's parse, a group's start,
 # a step's hook): a run that sets them differently can still be forked from here.
 LATE_VARIABLES = ("PROBE_", "SLURM_", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
@@ -61,7 +66,7 @@ def differs_only_late(env: dict, here: dict) -> bool:
     """Whether a run's environment equals this process's, but for LATE_VARIABLES and a
     PYTHONPATH that only adds a hook (see hook_folder)."""
     changed = (env.keys() ^ here.keys()) | {k for k in env.keys() & here.keys() if env[k] != here[k]}
-    if ("PYTHONPATH" not in here and "sitecustomize" not in sys.modules  # (else one ran here)
+    if ("PYTHONPATH" not in here and not OWN_SITECUSTOMIZE  # (else one ran here)
             and hook_folder(env.get("PYTHONPATH"))):
         changed.discard("PYTHONPATH")
     return all(name.startswith(LATE_VARIABLES) for name in changed)
@@ -194,7 +199,7 @@ def become(request: dict, fds: list[int]) -> None:
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
     hook = os.environ.get("PYTHONPATH")
-    if hook and "sitecustomize" not in sys.modules:  # (a hook_folder: differs_only_late)
+    if hook and not OWN_SITECUSTOMIZE:  # (a hook_folder: differs_only_late)
         import site
         sys.path.insert(0, hook)  # (run puts the script's folder before it, as Python does)
         site.execsitecustomize()  # (Python's own: an error in it is one line, and the run goes on)

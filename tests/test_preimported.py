@@ -146,6 +146,12 @@ def test_a_sitecustomize_hook_on_pythonpath_runs_forked_as_fresh(tmp_path):
         assert fresh.stdout == f"hook {what} 0\nscript 1\n"  # (before the script's folder)
         assert fresh.stderr == ("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
                                 "ValueError: planted\n" if what == "fail" else "")
+    # Under torchrun: the agent runs the hook, and so does each worker, forked too (the agent's
+    # own import of the hook does not make it start them fresh)
+    (tmp_path / "rank.py").write_text("import sys\nprint('torch loaded', 'torch' in sys.modules)\n")
+    forked = launch(torchrun_cmd(2, "rank.py"), cwd=tmp_path,
+                    env=base_env(PYTHONPATH=hook, PROBE_WHAT="late"))
+    assert sorted(forked.stdout.splitlines()) == ["hook late 0"] * 3 + ["torch loaded True"] * 2
     (hook / "other.py").write_text("")
     assert forkable([sys.executable, str(script)], base_env(PYTHONPATH=hook), tmp_path) is None
 
