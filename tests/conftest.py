@@ -460,17 +460,16 @@ def assert_all_reduce_starts(run_dir: Path, inside_backward: bool) -> list[dict]
 # the two should end closer together. (Measured once each: 21 min 35 s alphabetically, 21 min
 # 01 s longest first; inside the noise, docs/tests.md.)
 # Seconds per file, in a run of the whole suite two files at a time (2-core VM, torch 2.14.1,
-# 2026-11-27, 9 min 45 s in all); a file not listed runs after these. A wrong order costs only
+# 2026-11-27, 8 min 10 s in all); a file not listed runs after these. A wrong order costs only
 # time.
 SECONDS_PER_FILE = {
-    "test_slurm.py": 104, "test_template.py": 102, "test_ddp.py": 94, "test_interrupts.py": 94,
-    "test_signals_more.py": 92, "test_tour.py": 91, "test_distributed_checkpoint.py": 81,
-    "test_bad_input.py": 57, "test_multinode.py": 57, "test_foundation.py": 56,
-    "test_fault_tolerance.py": 55, "test_fsdp2.py": 49, "test_debugging.py": 37,
-    "test_streaming.py": 34, "test_real_failures.py": 32, "test_your_model.py": 22,
-    "test_resume_integrity.py": 18, "test_preimported.py": 18,
-    "test_side_trips_on_a_full_disk.py": 14, "test_profiling.py": 14, "test_versions.py": 12,
-    "test_overlap.py": 11,
+    "test_slurm.py": 105, "test_ddp.py": 86, "test_tour.py": 79, "test_template.py": 65,
+    "test_bad_input.py": 64, "test_distributed_checkpoint.py": 63, "test_foundation.py": 60,
+    "test_fsdp2.py": 52, "test_fault_tolerance.py": 49, "test_multinode.py": 45,
+    "test_signals_more.py": 38, "test_debugging.py": 38, "test_interrupts.py": 34,
+    "test_streaming.py": 28, "test_preimported.py": 26, "test_your_model.py": 25,
+    "test_real_failures.py": 24, "test_overlap.py": 18, "test_resume_integrity.py": 14,
+    "test_side_trips_on_a_full_disk.py": 14, "test_profiling.py": 12, "test_versions.py": 9,
 }
 # The tour's one item is the longest of all; on a GPU machine test_gpu.py takes minutes (without
 # one it skips at once): neither may start last.
