@@ -44,7 +44,8 @@ PLAN = {  # name: (script, ranks or None for plain python, extra args)
     "three_ranks": ("03_ddp_wrapper.py", 3, ["--epochs", 1, "--no-dropout"]),
     "accumulate": ("03_ddp_wrapper.py", 2, ["--epochs", 1, "--no-dropout",
                                             "--max-device-batch", 8]),
-    "compiled": ("04_ddp_compile.py", 2, ["--epochs", 1, "--no-dropout"]),
+    # (--compile: on the CPU 04 runs eagerly unless asked)
+    "compiled": ("04_ddp_compile.py", 2, ["--epochs", 1, "--no-dropout", "--compile"]),
     # weak scaling: 24 per rank (not COMMON's global 48), --lr x2 after 3 warm-up steps
     "weak": ("03_ddp_wrapper.py", 2, ["--epochs", 2, "--batch-per-rank", 24,
                                       "--lr-scaling", "linear", "--warmup-steps", 3]),
@@ -150,6 +151,7 @@ def test_compiled_ddp_learns_like_eager_ddp(runs):
     """Dropout off: compiled and eager dropout draw different masks. Fused kernels add in
     another order, so the weights agree to float32 rounding amplified over ten steps."""
     compiled = runs["compiled"]
+    assert "compile=on" in compiled["stdout"], compiled["stdout"]
     assert max_difference(rank_params(compiled["probe"]),
                           rank_params(runs["two_ranks"]["probe"])) < ORDER
     assert compiled["summary"]["first_step_seconds"] > 0  # the compile, reported on its own
