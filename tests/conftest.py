@@ -14,6 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -260,6 +261,13 @@ class Preimported:
 PORT_TAKEN_RERUNS = pytest.mark.flaky(reruns=1, only_rerun=[
     r"failed to listen on any local network address\. port: \d+, useIpv6: \w+, code: -98, "
     r"name: EADDRINUSE"])
+
+
+def run_id() -> str:
+    """A --rdzv-id for one launch of several agents, its own as --standalone makes one: its
+    ranks can then be forked (tests/preimported.py; with a fixed id they start fresh, as
+    harness.peers.this_launch could not tell two launches of it apart)."""
+    return str(uuid.uuid4())
 
 
 def torchrun_cmd(nproc: int, *script_and_args, extra: tuple = ()) -> list[str]:

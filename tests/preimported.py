@@ -59,7 +59,10 @@ LATE_VARIABLES = ("PROBE_", "SLURM_", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOC
                   # and what torchrun's agent adds for its workers (torch 2.14.1 reads each
                   # where a group starts or an error is recorded)
                   "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
-                  "ROLE_WORLD_SIZE", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+                  "ROLE_WORLD_SIZE", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                  # read by gloo's C++ where a group makes its device, and by DDP's logging
+                  # (no other Python file of torch 2.14.1 reads it)
+                  "GLOO_SOCKET_IFNAME")
 
 
 def differs_only_late(env: dict, here: dict) -> bool:

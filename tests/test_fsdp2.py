@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, base_env,
-                      copied_run_killed_at_step_27, launch, output, read_summary, run_step, start,
-                      torchrun_cmd)
+                      copied_run_killed_at_step_27, launch, output, read_summary, run_id, run_step,
+                      start, torchrun_cmd)
 from harness.model import Net
 
 STEP = "08_fsdp2.py"
@@ -124,7 +124,7 @@ def test_hybrid_sharding_on_two_agents_shards_within_each_node(mnist_root, tmp_p
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-             "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-id", "hsdp",
+             "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-id", run_id(),
              "--rdzv-endpoint", f"127.0.0.1:{port}", STEP, "--hsdp", "--mixed-precision",
              "--data", "mnist", "--data-dir", str(mnist_root), "--train-samples", 480,
              "--batch-size", 48, "--epochs", 1, "--checkpoint-every", 0, "--out-dir",

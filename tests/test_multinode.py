@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from conftest import (PORT_TAKEN_RERUNS, assert_no_traceback, base_env, max_difference, output,
-                      rank_params, read_summary, run_step, start)
+                      rank_params, read_summary, run_id, run_step, start)
 
 ARGS = ["--no-compile", "--data", "mnist", "--train-samples", 480, "--test-samples", 100,
         "--batch-size", 48, "--epochs", 1]
@@ -29,7 +29,7 @@ def test_two_agents_on_loopback_form_one_world(mnist_root, tmp_path):
     out = tmp_path / "two_nodes"
     endpoint = f"127.0.0.1:{free_port()}"
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "rehearsal",
+             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", run_id(),
              "--rdzv-endpoint", endpoint, "tests/rank_probe.py", "05_multinode.py",
              *map(str, ARGS), "--data-dir", str(mnist_root), "--out-dir", str(out)]
     (out / "probe").mkdir(parents=True)
@@ -79,7 +79,7 @@ def test_a_rank_killed_on_one_of_two_agents_restarts_both_and_ends_exactly(mnist
     (out / "probe").mkdir(parents=True)
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
              "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
-             "--rdzv-id", "killed", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+             "--rdzv-id", run_id(), "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
              "tests/rank_probe.py", "07_fault_tolerance.py", *map(str, args),
              "--data-dir", str(mnist_root), "--out-dir", str(out)]
     env = base_env(PROBE_DIR=out / "probe", OMP_NUM_THREADS=1, PROBE_KILL="1:15",
@@ -107,11 +107,11 @@ def test_an_error_only_one_node_has_is_printed_there_and_the_other_names_it(mnis
     waited for, instead of blaming a crashed peer."""
     good = tmp_path / "ok.pt"
     good.write_bytes(b"")  # exists: the flag check passes; never read, as the group never forms
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint, launch = f"127.0.0.1:{free_port()}", run_id()
 
     def agent(resume):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "one_node_error",
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", launch,
                "--rdzv-endpoint", endpoint, "05_multinode.py", *map(str, ARGS), "--timeout", 5,
                "--data-dir", mnist_root, "--out-dir", tmp_path / "out", "--resume", resume]
         return start(cmd, open(tmp_path / f"{Path(resume).stem}.txt", "w+"))
