@@ -55,8 +55,18 @@ def mnist_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_compile_cache(tmp_path_factory):
-    """One inductor cache for the whole session: a second compile of the same graph is cheap."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    """One inductor cache for the whole run, shared by pytest-xdist's workers: a second compile
+    of the same graph is cheap, and every compile skips the first one's checks of what the
+    CPU's vector instructions can build (torch 2.14.1 builds a probe for each, once per cache:
+    a tiny function compiled in 15.9 s with a new cache on the 2-core VM, another in 5.4 s
+    after it; the checks take a lock, so ranks and workers that start them together build
+    each probe once)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's folder is in the run's own
+        root = root.parent
+    cache = root / "inductor"
+    cache.mkdir(exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
 
 
 # The CPU suite stays on the CPU on a machine with GPUs, in every process it starts: an empty
