@@ -119,7 +119,8 @@ def start(args: list, log, *, env=None, cwd=REPO, fresh=False):
     (a pipe nobody reads could block it): forked as `launch` forks, in a session of its own
     and with /dev/null as stdin, or with subprocess.Popen where it cannot be (fresh=True, as
     launch). The handle has Popen's pid, poll, wait, returncode, send_signal, terminate and
-    kill; `descendants` finds what it starts, forked or not."""
+    kill; `descendants` finds what it starts, forked or not. What still runs when the test that
+    started it ends is ended then (end_left_running)."""
     args, env = [str(a) for a in args], env or base_env()
     request = None if fresh else forkable(args, env, cwd)
     if request is None:
@@ -134,7 +135,32 @@ def start(args: list, log, *, env=None, cwd=REPO, fresh=False):
         finally:
             os.close(stdin)
     proc.log = log
+    STARTED.append(proc)
     return proc
+
+
+STARTED = []  # what `start` began, for end_left_running
+
+
+@pytest.fixture(autouse=True)
+def end_what_a_test_left_running():
+    yield
+    end_left_running()
+
+
+def end_left_running() -> None:
+    """SIGKILL what `start` began and is still running, with all below it: a test that failed
+    before its run ended (a timeout, say) would otherwise leave the run, or a torchrun agent's
+    workers, taking CPU from every test after it, to the end of the suite and beyond it."""
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            for pid in [*descendants(proc.pid), proc.pid]:  # (found before any is gone)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
 
 
 def output(proc, timeout: float | None = None) -> str:

@@ -4,6 +4,7 @@ argv, sys.path[0], working directory, environment and __main__, and a run whose 
 differs where torch reads it at import must start fresh."""
 
 import re
+import signal
 import sys
 import textwrap
 import time
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 import preimported
-from conftest import (REPO, Preimported, base_env, children, descendants, environment, forkable,
-                      launch, output, start, torchrun_cmd)
+from conftest import (REPO, Preimported, base_env, children, descendants, end_left_running,
+                      environment, forkable, launch, output, start, torchrun_cmd)
 
 SHOW = textwrap.dedent("""
     import os, sys
@@ -291,3 +292,35 @@ def test_the_tests_find_a_runs_ranks_and_their_environment_forked_or_fresh(tmp_p
     while preimported.asked(str(folder)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert preimported.asked(str(folder)) == {}
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_run_a_test_left_running_is_ended_with_its_ranks(tmp_path, fresh):
+    """A test that fails while its run goes on (a timeout while it waits) left the run, and the
+    ranks of a torchrun it started, running on for the rest of the suite (seen: a torchrun
+    agent of a failed two-agent test still busy minutes after). The autouse fixture ends them
+    with end_left_running, which this calls as the fixture does after every test."""
+    (tmp_path / "rank.py").write_text(WAITING_RANK)  # (never told to go)
+    log = open(tmp_path / "log.txt", "w+")
+    agent = start(torchrun_cmd(2, "rank.py"), log, cwd=tmp_path, fresh=fresh)
+    pids = [tmp_path / f"rank{rank}.pid" for rank in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(p.exists() and p.read_text() for p in pids):
+        assert agent.poll() is None and time.monotonic() < deadline, output(agent)
+        time.sleep(0.02)
+    ranks = [int(p.read_text()) for p in pids]
+    end_left_running()
+    assert agent.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 60  # (the helper reaps a forked rank once its agent is gone)
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in state(pid) for pid in ranks):
+        assert time.monotonic() < deadline, [state(pid) for pid in ranks]
+        time.sleep(0.05)
+
+
+def state(pid: int) -> str:
+    """A process's state (R, S, Z...), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
