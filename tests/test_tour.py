@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import tour
-from conftest import REPO, base_env, launch
+from conftest import REPO, launch, output, start
 
 ROW = re.compile(r"^(\d\d[a-z]?)\s+(.+?)\s+(\d+)\s+(\S+)\s+(\S+)   (.+)$", re.M)
 EPOCH = r"^epoch 1: train loss (\S+)  test loss (\S+)  (test accuracy \S+% \(\d+/\d+\))"
@@ -99,23 +99,21 @@ def test_relative_paths_are_taken_from_where_the_tour_started(mnist_root, tmp_pa
     --data-dir given elsewhere must reach them as absolute paths (before, the table was all
     dashes and the data synthetic). Step 00 is enough to show it: the tour stops there."""
     (tmp_path / "digits").symlink_to(mnist_root)
-    tour_proc = subprocess.Popen(
+    tour_proc = start(
         [sys.executable, str(REPO / "tour.py"), "--samples", "480", "--test-samples", "100",
-         "--data", "mnist", "--data-dir", "digits", "--out-dir", "runs"], cwd=tmp_path,
-        env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--data", "mnist", "--data-dir", "digits", "--out-dir", "runs"],
+        open(tmp_path / "tour.txt", "w+"), cwd=tmp_path)
     summary = tmp_path / "runs" / "00_single_gpu" / "summary.json"
+    deadline = time.monotonic() + 120
+    while not summary.exists() and tour_proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    tour_proc.terminate()  # the tour ends the step it runs, which runs in a session of its own
     try:
-        deadline = time.monotonic() + 120
-        while not summary.exists() and tour_proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:  # the tour ends the step it runs, which runs in a session of its own
-        tour_proc.terminate()
-        try:
-            output = tour_proc.communicate(timeout=120)[0]
-        except subprocess.TimeoutExpired:  # (then its step may be left: end what is left)
-            tour_proc.kill()
-            output = tour_proc.communicate()[0]
-            pytest.fail(f"the tour did not end within 120 s of SIGTERM:\n{output[-3000:]}")
-    assert summary.exists(), output[-3000:]
+        printed = output(tour_proc, timeout=120)
+    except subprocess.TimeoutExpired:  # (what still runs is ended after the test)
+        tour_proc.log.seek(0)
+        pytest.fail("the tour did not end within 120 s of SIGTERM:\n"
+                    + tour_proc.log.read()[-3000:])
+    assert summary.exists(), printed[-3000:]
     assert json.loads(summary.read_text())["test_samples"] == 100  # --data mnist: found
-    assert "synthetic" not in output, output[-3000:]
+    assert "synthetic" not in printed, printed[-3000:]
