@@ -3,6 +3,7 @@ A forked run must be what a fresh `python SCRIPT` is: the same exit status, stdo
 argv, sys.path[0], working directory, environment and __main__, and a run whose environment
 differs where torch reads it at import must start fresh."""
 
+import ast
 import re
 import signal
 import sys
@@ -197,7 +198,8 @@ def test_torchruns_forked_workers_see_and_end_as_fresh_ones(tmp_path, nproc):
         assert sorted(proc.stdout.splitlines()) == [f"rank {r} to stdout" for r in range(nproc)]
         assert all(f"rank {r} to stderr" in proc.stderr.splitlines() for r in range(nproc))
     (fresh, fresh_reports), (forked, forked_reports) = runs[True], runs[False]
-    assert [report[1:] for report in forked_reports] == [report[1:] for report in fresh_reports]
+    for forked_report, fresh_report in zip(forked_reports, fresh_reports):
+        assert forked_report[1:] == fresh_report[1:], what_differs(forked_report, fresh_report)
     assert f"threads {1 if nproc > 1 else torch.get_num_threads()} " in forked_reports[0][3]
     assert forked_reports[0][5:] == ["own session True", "fds ['0', '1', '2', '3'] False"]
     assert forked.returncode == fresh.returncode == (1 if nproc > 1 else 0)
@@ -209,6 +211,20 @@ def test_torchruns_forked_workers_see_and_end_as_fresh_ones(tmp_path, nproc):
     while any(children_of(pid) for pid in helpers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(children_of(pid) for pid in helpers)
+
+
+def what_differs(forked: list[str], fresh: list[str]) -> str:
+    """A worker's report lines that differ, forked against fresh; of its environment (line 1),
+    only the variables that differ."""
+    said = []
+    for number, (one, other) in enumerate(zip(forked, fresh)):
+        if number == 1:
+            one, other = set(ast.literal_eval(one)), set(ast.literal_eval(other))
+            said.append(f"environment, forked only: {sorted(one - other)}; "
+                        f"fresh only: {sorted(other - one)}")
+        elif one != other:
+            said.append(f"line {number}, forked: {one!r}; fresh: {other!r}")
+    return "\n".join(said)
 
 
 def children_of(pid: str) -> list[str]:
