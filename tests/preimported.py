@@ -4,8 +4,9 @@ A run of a step or of torchrun's agent spends 2-3 s of CPU importing torch and t
 before its first line, and the suite starts hundreds of them (steps, torchrun's agents and
 their workers). Here the imports are done once: each run is a child forked from this process,
 which then runs the script as `python SCRIPT`, `python -m MODULE` or `python -c CODE` would
-(its own pid, cwd, environment, argv, sys.path[0], stdin, stdout and stderr), and ends as the
-interpreter's exit begins (see end), with its own exit status.
+(its own pid, cwd, environment, argv, sys.path[0], stdin, stdout and stderr, and signals as
+exec leaves them: see become), and ends as the interpreter's exit begins (see end), with its
+own exit status.
 
 conftest starts two per pytest process: one under the tests' environment, one under it with
 OMP_NUM_THREADS=1, the variable torchrun sets for its workers (libgomp reads it when torch
@@ -120,6 +121,14 @@ def asker(connection: socket.socket) -> int:
     return struct.unpack("3i", credentials)[0]
 
 
+def ignored_by(pid: int) -> list[int]:
+    """The signals process `pid` ignores (SigIgn in /proc/PID/status): a program it starts
+    ignores them too, and starts every other signal at its default, whatever it catches."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+    return [int(s) for s in signal.valid_signals() if mask >> (s - 1) & 1]
+
+
 def asked(folder: str) -> dict[int, dict]:
     """Each running child the helpers forked: {"asker": the pid of the process that asked for it
     (its parent, as Popen would have made it), "env": the environment it runs under (which
@@ -174,6 +183,7 @@ def serve(server: socket.socket, registry: str) -> tuple[dict, list[int]]:
             continue
         pid = os.fork()
         if pid == 0:  # the run: it keeps no connection of ours
+            request["ignored"] = ignored_by(asker(connection))
             for other in [server, connection, *running.values(), *ended.values()]:
                 other.close()
             return request, fds
@@ -191,6 +201,21 @@ def become(request: dict, fds: list[int]) -> None:
     if request.get("new_session"):  # as torchrun's Popen(start_new_session=True)
         os.setsid()
     os.chdir(request["cwd"])
+    # Signals as a started program has them: what the asker ignores stays ignored (a nohup's
+    # SIGHUP), every other one at its default (the helper's are its own starter's: a torchrun
+    # agent catches SIGHUP, so its fresh workers start with it at its default); then what
+    # Python sets as it starts: SIGPIPE and SIGXFSZ ignored, SIGINT raising KeyboardInterrupt.
+    for number in signal.valid_signals():
+        if number not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(number, signal.SIG_IGN if number in request["ignored"]
+                              else signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass  # (the C library's own, for its threads)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if signal.SIGINT not in request["ignored"]:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
     if not fds:

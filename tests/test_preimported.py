@@ -213,6 +213,31 @@ def test_torchruns_forked_workers_see_and_end_as_fresh_ones(tmp_path, nproc):
     assert not any(children_of(pid) for pid in helpers)
 
 
+DISPOSITIONS = textwrap.dedent("""
+    import signal, subprocess, sys
+    if sys.argv[1:] == ["child"]:
+        print([signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGHUP, signal.SIGINT,
+                                             signal.SIGPIPE, signal.SIGTERM)])
+        sys.exit()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # ignored: what it starts ignores it too
+    signal.signal(signal.SIGHUP, lambda *args: None)  # caught: it starts at its default
+    subprocess.Popen([sys.executable, sys.argv[0], "child"], start_new_session=True).wait()
+    """)
+
+
+def test_a_forked_run_starts_with_the_signals_a_started_program_has(tmp_path):
+    """A program keeps across exec the signals its starter ignores and starts every other one
+    at its default; a forked run is the helper's copy, with the helper's. The helper sets them
+    as exec would from the one who asked (a forked torchrun agent catches SIGHUP; under nohup
+    the helper ignored it, and forked workers kept ignoring it where fresh ones did not)."""
+    (tmp_path / "dispositions.py").write_text(DISPOSITIONS)
+    printed = [launch([sys.executable, "dispositions.py"], cwd=tmp_path, fresh=fresh).stdout
+               for fresh in (True, False)]
+    assert printed[0] == printed[1] == (
+        "[<Handlers.SIG_IGN: 1>, <Handlers.SIG_DFL: 0>, <built-in function default_int_handler>,"
+        " <Handlers.SIG_IGN: 1>, <Handlers.SIG_DFL: 0>]\n"), printed
+
+
 def what_differs(forked: list[str], fresh: list[str]) -> str:
     """A worker's report lines that differ, forked against fresh; of its environment (line 1),
     only the variables that differ."""
