@@ -509,30 +509,7 @@ def assert_all_reduce_starts(run_dir: Path, inside_backward: bool) -> list[dict]
 
 
 # The README's command runs two files at a time (`-n 2 --dist loadfile`): each worker takes the
-# next file as it finishes one. Alphabetically the longest (the tour, the template) came last,
-# where a worker left without a file idles while the other finishes one of them; longest first,
-# the two should end closer together. (Measured once each: 21 min 35 s alphabetically, 21 min
-# 01 s longest first; inside the noise, docs/tests.md.)
-# Seconds per file, in a run of the whole suite two files at a time (2-core VM, torch 2.14.1,
-# 2026-11-27, 8 min 16 s in all); a file not listed runs after these. A wrong order costs only
-# time.
-SECONDS_PER_FILE = {
-    "test_ddp.py": 120, "test_slurm.py": 109, "test_tour.py": 70, "test_bad_input.py": 69,
-    "test_distributed_checkpoint.py": 67, "test_foundation.py": 63, "test_template.py": 59,
-    "test_fault_tolerance.py": 45, "test_streaming.py": 39, "test_debugging.py": 37,
-    "test_signals_more.py": 37, "test_interrupts.py": 35, "test_fsdp2.py": 34,
-    "test_your_model.py": 28, "test_multinode.py": 24, "test_real_failures.py": 23,
-    "test_preimported.py": 22, "test_resume_integrity.py": 18,
-    "test_side_trips_on_a_full_disk.py": 14, "test_profiling.py": 12, "test_overlap.py": 11,
-    "test_versions.py": 9,
-}
-# The tour's one item is the longest of all; on a GPU machine test_gpu.py takes minutes (without
-# one it skips at once): neither may start last.
-FIRST = ["test_tour.py", "test_gpu.py"]
-
-
-def pytest_collection_modifyitems(items):
-    def longest_first(item):
-        name = item.path.name
-        return (FIRST.index(name) if name in FIRST else len(FIRST), -SECONDS_PER_FILE.get(name, 0))
-    items.sort(key=longest_first)  # (a stable sort: each file's own order is kept)
+# next file as it finishes one, in pytest-xdist's order, most tests first (3.8.0 sorts the files
+# by their number of tests unless given --no-loadscope-reorder, which overrode the longest-first
+# order this file used to set). Set back to longest first, the tour ran beside SLURM's five jobs
+# (about 20 processes against its 2) and took 160 s as an item: xdist's order stays.

@@ -231,8 +231,14 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# cred_expire also delays a requeued job's restart (default 120 s); keep it short for the tests.
-AuthInfo=socket={self.munge_socket},cred_expire=10
+# A requeued job may start again cred_expire + 1 s after its requeue (slurmctld's
+# batch_requeue_fini, SLURM 22.05), so that no node still runs the old one: 120 s by default,
+# 5 the least SLURM accepts (below that it takes 120). Reaching that time wakes no scheduler,
+# though: the main one looks every sched_interval (60 s by default) and the backfill one only
+# after something changed, so the job alone started 21-26 s after its requeue with 10 s here.
+# Both look every second here: a scheduler's pass over two nodes and a few jobs costs nothing.
+AuthInfo=socket={self.munge_socket},cred_expire=5
+SchedulerParameters=sched_interval=1,bf_interval=1
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n
 SlurmctldPidFile={r}/run/slurmctld.pid

@@ -246,7 +246,7 @@ def test_usr2_checkpoints_requeues_and_the_job_resumes(slurm, tmp_path):
             "PENDING", "RUNNING"), job.finish()
         time.sleep(0.1)
     slurm.run("scancel", "--signal=USR2", "--batch", job.id)
-    # SLURM holds a requeued job back until its old credentials expire (cred_expire, 10 s in
+    # SLURM holds a requeued job back until its old credentials expire (cred_expire, 5 s in
     # the test cluster; 120 s by default), so that no node still running the old one starts it.
     info, log = job.completed()
     assert info["Restarts"] == "1", info
