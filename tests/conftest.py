@@ -19,14 +19,10 @@ from pathlib import Path
 
 import pytest
 
-# The suite runs four or more busy processes on two cores, and a process that is not one of
-# torchrun's workers (OMP_NUM_THREADS=1) computes on one thread per core. By default libgomp's
-# threads spin a while at the end of each parallel region for the others, which then wait for
-# the core a spinner holds: "passive" waiting sleeps at once. The same threads split the same
-# work, so a run ends with the same bits (torch 2.14.1 on the 2-core VM, 00 on 1024 synthetic
-# samples x 2 epochs beside two busy loops, median of 3 interleaved: 12.8 s and 10.6 CPU s by
-# default, 9.8 s and 7.0 CPU s passive, the same test loss; on a quiet machine 5.3 s either
-# way). libgomp reads it as it loads, with torch: set before that, in every process started.
+# Four or more busy processes share two cores here, and libgomp's threads spin at the end of
+# each parallel region, holding a core the others wait for. Passive waiting sleeps at once: the
+# same threads split the same work, so the bits do not change (measured in docs/tests.md,
+# "Threads that wait without spinning"). libgomp reads it as torch loads: set before that.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
