@@ -4,8 +4,8 @@ The cluster (tests/slurm_cluster.py) runs slurmctld and two slurmd, "n1" and "n2
 machine; it is installed with apt when missing, and the tests skip (saying why) where that cannot
 work. The jobs run the tutorial's own steps on tiny synthetic data, the way a user submits them
 (`sbatch slurm/multinode.sh 05_multinode.py ...` from the repository root). All of them are
-submitted at once and run side by side; each test then waits for its own job and reads the job's
-log and summary.json.
+submitted at once and queue, as on a cluster: each node has 2 CPUs, so one job runs at a time;
+each test waits for its own job and reads the job's log and summary.json.
 """
 
 import json
@@ -102,9 +102,14 @@ def test_a_bad_count_is_one_line_before_anything_runs(script, name, value, lowes
 # ----------------------------------------------------------------------------- on the cluster
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """One cluster for the module. 10 CPUs declared per node: all the jobs below fit at once."""
+    """One cluster for the module, 2 CPUs per node: every job below asks for both of a node's,
+    so the jobs run one at a time. With room for all five at once (10 per node), their ~20
+    fresh processes starved the test file beside them: run beside test_ddp.py, its first item
+    took 36 s (11 s with the jobs in turn) and SLURM's first job 61 s. In turn, no item of the
+    two files took over 42 s, and they ended as soon (122 s against 125 s; 2-core VM, torch
+    2.14.1)."""
     try:
-        cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm-cluster"), cpus_per_node=10)
+        cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm-cluster"))
     except SlurmUnavailable as exc:
         pytest.skip(f"SLURM test cluster unavailable: {exc}")
     yield cluster
@@ -136,7 +141,7 @@ class Job:
 
 @pytest.fixture(scope="module")
 def jobs(slurm, tmp_path_factory):
-    """Submit every job now, so that they run side by side; each test waits for its own."""
+    """Submit every job now: the cluster runs them in turn while each test waits for its own."""
     root = tmp_path_factory.mktemp("slurm-jobs")
 
     def submit(name, sbatch_args, step_args=(), **env):
