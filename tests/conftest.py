@@ -504,8 +504,5 @@ def assert_all_reduce_starts(run_dir: Path, inside_backward: bool) -> list[dict]
     return drawn
 
 
-# The README's command runs two files at a time (`-n 2 --dist loadfile`): each worker takes the
-# next file as it finishes one, in pytest-xdist's order, most tests first (3.8.0 sorts the files
-# by their number of tests unless given --no-loadscope-reorder, which overrode the longest-first
-# order this file used to set). Set back to longest first, the tour ran beside SLURM's five jobs
-# (about 20 processes against its 2) and took 160 s as an item: xdist's order stays.
+# The files run in pytest-xdist's own order, most tests first: why this file sets none is in
+# docs/tests.md, "Two files at a time".
