@@ -4,8 +4,8 @@
     python tour.py --samples 10000    # more data per step (better accuracy, longer)
 
 Each step runs the way you would run it yourself (plain python, or torchrun with 2 processes:
-2 CPU processes, or 2 GPUs when there are) for one short epoch, and you see its own output as it
-goes. The table at the end comes from the steps' own runs/tour/<step>/summary.json files: what
+2 CPU processes, or 2 GPUs when there are; on one GPU a world of one, but 11, which compares
+ranks, on 2 CPU processes) for one short epoch, and you see its own output as it goes. The table at the end comes from the steps' own runs/tour/<step>/summary.json files: what
 each step adds, its world size, test accuracy and samples/s, and the diff to read next. Step
 04 compiles (once, 15-25 s on a CPU); every other step runs eagerly (`--no-compile` for the
 steps that compile by default on GPUs) and with `--deterministic`, so that the steps that
@@ -33,6 +33,7 @@ from harness.flags import SAMPLES_LIMIT  # the steps' own bound on --train-sampl
 
 REPO = Path(__file__).resolve().parent
 NO_SUMMARY = {"01_torch_dist_allreduce.py", "10_debugging.py", "11_your_model.py"}  # no summary.json
+TWO_RANKS_AT_LEAST = {"11_your_model.py"}  # it compares N ranks with one process: N >= 2
 # file, runs on 2 processes?, the idea it adds, what to read next, extra arguments
 STEPS = [
     ("00_single_gpu.py", False, "baseline: train and evaluate on one device",
@@ -74,6 +75,15 @@ def absolute(text: str) -> Path:
 def step_id(script: str) -> str:
     """The step's id: "02b" for 02b_overlap_by_hand.py."""
     return script.split("_")[0]
+
+
+def placement(script: str, processes: int) -> tuple[int, list]:
+    """The processes a distributed step gets and the flags that place it: the tour's own, but
+    2 CPU processes for a step that needs two ranks where there is one GPU (NCCL refuses two
+    ranks on one GPU)."""
+    if script in TWO_RANKS_AT_LEAST and processes < 2:
+        return 2, ["--device", "cpu"]
+    return processes, []
 
 
 def command(script: str, distributed: bool, processes: int, extra: list) -> list:
@@ -155,13 +165,17 @@ def main():
             step_args += [*shared, "--out-dir", str(out)]
         if script == "06_streaming_h5.py":
             step_args += ["--h5", str(out / "digits.h5")]  # prepared from the same samples
-        cmd = command(script, distributed, processes, step_args)
+        step_processes, where = placement(script, processes)
+        cmd = command(script, distributed, step_processes, [*step_args, *where])
         shown = ["torchrun", *cmd[3:]] if distributed else ["python", *cmd[1:]]
         print(f"\n=== {step_id(script)}: {idea}\n$ {' '.join(shown)}", flush=True)
+        if where:
+            print(f"(one GPU here: {script} needs two ranks, so it runs on 2 CPU processes)",
+                  flush=True)
         code = run_step(script, cmd)
         needed = versions.torch_needed_by(REPO / script)  # its require_torch("X.Y", ...) line
         if code and needed and versions.torch_older_than(needed):
-            rows.append((script, idea, next_read, f"needs torch {needed}"))  # it said so
+            rows.append((script, idea, next_read, f"needs torch {needed}", step_processes))
             continue
         if code:
             sys.exit(f"tour: {script} failed with exit code {code}; its output is above")
@@ -169,16 +183,16 @@ def main():
         if script not in NO_SUMMARY and not summary.is_file():
             sys.exit(f"tour: {script} ended without writing {summary}; its output is above")
         rows.append((script, idea, next_read, json.loads(summary.read_text())
-                     if summary.exists() else None))
-    print_table(rows, time.monotonic() - started, processes)
+                     if summary.exists() else None, step_processes))
+    print_table(rows, time.monotonic() - started)
 
 
-def print_table(rows, seconds: float, processes: int) -> None:
+def print_table(rows, seconds: float) -> None:
     print(f"\n=== the tour, {seconds:.0f} s: what each step added, and what it measured\n")
     print(f"{'step':<5}{'the idea it adds':<52}{'world':>5}{'test acc':>10}{'samples/s':>11}"
           f"   read next")
-    for script, idea, next_read, summary in rows:
-        if summary is None:  # step 01 trains nothing: its world is the processes we started
+    for script, idea, next_read, summary, processes in rows:
+        if summary is None:  # no summary.json (01, 10, 11): its world is the processes started
             world, accuracy, rate = str(processes), "-", "-"
         elif isinstance(summary, str):  # this torch is too old for the step: it said which
             print(f"{step_id(script):<5}{idea:<52}{summary:>26}   (skipped)")

@@ -89,9 +89,18 @@ def test_a_step_without_a_summary_shows_the_processes_the_tour_started(capsys):
     """Step 01 writes no summary.json: its world is the processes the tour started for it, one
     on a machine with one GPU (not a fixed 2)."""
     script, _, idea, next_read, _ = tour.STEPS[1]
-    tour.print_table([(script, idea, next_read, None)], seconds=1, processes=1)
+    tour.print_table([(script, idea, next_read, None, 1)], seconds=1)
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("01"))
     assert row.split(idea)[1].split()[:3] == ["1", "-", "-"], row
+
+
+def test_a_step_that_compares_ranks_gets_two_cpu_processes_where_there_is_one_gpu():
+    """11 refuses a world of one and NCCL two ranks on one GPU: on one GPU the tour runs 11 on
+    2 CPU processes and every other step on the GPU (tests/test_gpu.py runs it there)."""
+    assert tour.placement("11_your_model.py", 1) == (2, ["--device", "cpu"])
+    assert tour.placement("11_your_model.py", 2) == (2, [])
+    assert tour.placement("10_debugging.py", 1) == (1, [])
+    assert tour.placement("03_ddp_wrapper.py", 1) == (1, [])
 
 
 def test_relative_paths_are_taken_from_where_the_tour_started(mnist_root, tmp_path):
