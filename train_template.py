@@ -1,8 +1,9 @@
 """Your model under DDP: the template to copy. One file, torch only; it runs alone.
 
-Change the parts marked YOURS: datasets, model, a batch's loss and evaluation sums, optimizer and
-schedule, your flags. The rest is steps 02-07's loop: a sampler, seeding, exact evaluation,
-accumulation with no_sync, clipping, bf16 or fp16, torch.compile, checkpoints with exact resume.
+Change the parts marked YOURS: datasets and collate, model, a batch's loss (a SUM and what it
+counts: samples or tokens), evaluation sums, optimizer and schedule, your flags. The rest is
+steps 02-07's loop: a sampler, seeding, exact evaluation, accumulation with no_sync, clipping,
+bf16 or fp16, torch.compile, checkpoints with exact resume, a stop on SIGTERM or a NaN loss.
 How to port, and what --check proves (exit 0: DDP computes what one process does): docs/porting.md
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -12,11 +13,13 @@ How to port, and what --check proves (exit 0: DDP computes what one process does
 
 import argparse
 import copy
+import functools
 import gc
 import itertools
 import math
 import os
 import signal
+import tempfile
 from contextlib import nullcontext
 
 import torch
@@ -27,8 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import default_collate
 
 NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # float32 and bf16 need none
+VOTE_EVERY = 4  # steps between the ranks' votes on a stop signal (and at each epoch's end)
 
 def build_datasets(args):  # YOURS: (train, test), map-style datasets of (input, target)
     g = torch.Generator().manual_seed(1234)  # the same synthetic data on every rank and run
@@ -36,13 +41,16 @@ def build_datasets(args):  # YOURS: (train, test), map-style datasets of (input,
     y = (x @ teacher + 0.5 * torch.randn(5120, 8, generator=g)).argmax(1)
     return TensorDataset(x[:4096], y[:4096]), TensorDataset(x[4096:], y[4096:])
 
-def build_model(args):  # YOURS (BatchNorm on GPUs: nn.SyncBatchNorm.convert_sync_batchnorm)
+def collate(samples):  # YOURS: samples -> one batch, a tuple of tensors (pad variable lengths)
+    return default_collate(samples)
+
+def build_model(args):  # YOURS (BatchNorm: examples/resnet18_digits.py's convert_batchnorm)
     return nn.Sequential(nn.Linear(32, 128), nn.LayerNorm(128), nn.GELU(), nn.Dropout(0.1),
                          nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 8))
 
-def batch_loss(model, batch):  # YOURS: the MEAN loss over the batch's samples
-    inputs, targets = batch
-    return F.cross_entropy(model(inputs), targets)
+def batch_loss(model, batch):  # YOURS: (the loss SUMMED over what it averages, how many)
+    inputs, targets = batch  # a token loss: reduction="sum", count (targets != -100).sum()
+    return F.cross_entropy(model(inputs), targets, reduction="sum"), len(targets)
 
 def eval_sums(model, batch):  # YOURS: sums over a batch, added up over ranks: [loss, correct, n]
     inputs, targets = batch
@@ -59,28 +67,40 @@ def build_optimizer(model, args, total_steps):  # YOURS: the optimizer and its s
 def add_flags(parser):  # YOURS: your own flags, of plain types (a restart checks them all)
     pass
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, from rank 0 alone (every rank exits 2)
+        if int(os.environ.get("RANK", 0)) == 0:
+            super().error(message)
+        raise SystemExit(2)
+
+def positive(text):  # a flag's type (yours too): a whole number, at least 1
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
 def parse_flags():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=128, help="GLOBAL: all ranks together")
-    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=positive, default=3)
+    p.add_argument("--batch-size", type=positive, default=96, help="GLOBAL: all ranks together")
+    p.add_argument("--accumulation", type=positive, default=1, help="micro-batches per step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-norm", type=float, default=1.0, help="clip gradients (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/template")
-    p.add_argument("--checkpoint-every", type=int, default=20, metavar="STEPS")
+    p.add_argument("--checkpoint-every", type=positive, default=20, metavar="STEPS")
     p.add_argument("--compile", action="store_true", help="DDP(torch.compile(model))")
-    p.add_argument("--amp", action="store_true", help="bf16, or fp16 on GPUs without bf16")
+    p.add_argument("--amp", action="store_true", help="bf16 (fp16 on GPUs without bf16)")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="for a branch that some steps or ranks do not use (DDP's switch)")
     p.add_argument("--check", action="store_true", help="compare with one process, then exit")
-    p.add_argument("--check-steps", type=int, default=3)
+    p.add_argument("--check-steps", type=positive, default=3)
     add_flags(p)  # after the template's: its set_defaults() can change theirs
     args, world = p.parse_args(), int(os.environ.get("WORLD_SIZE", 1))
-    if min(args.epochs, args.batch_size, args.accumulation, args.checkpoint_every,
-           args.check_steps) < 1 or not (0 < args.lr < 1e9 and 0 <= args.max_norm < 1e9):
-        p.error("counts and --lr must be positive, --max-norm at least 0 (and finite)")
-    if args.batch_size % (world * args.accumulation):
-        p.error(f"--batch-size {args.batch_size} does not divide into {world} rank(s) x "
-                f"{args.accumulation} micro-batch(es)")
+    if not (0 < args.lr < 1e9 and 0 <= args.max_norm < 1e9):
+        p.error("--lr must be positive, --max-norm at least 0 (and both finite)")
+    if args.batch_size % world or args.batch_size // world < args.accumulation:
+        p.error(f"--batch-size {args.batch_size} does not divide into {world} rank(s) of at "
+                f"least {args.accumulation} sample(s) (--accumulation)")
     if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))  # pytorch/pytorch#135712
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
         p.error("torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where it "
@@ -99,11 +119,13 @@ def setup():
                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
     return device, dist.get_rank(), dist.get_world_size()
 
-def autocast(device, args):  # --amp: bf16 where the GPU computes it natively, else fp16
-    amp = args.amp and device.type == "cuda"
-    fp16 = amp and not torch.cuda.is_bf16_supported(False)  # (T4, V100)
-    return (torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16, enabled=amp),
-            torch.amp.GradScaler("cuda", enabled=fp16))  # else fp16 flushes small gradients
+def autocast(device, args):  # --amp: bf16 (the CPU too), fp16 on GPUs without native bf16
+    fp16 = args.amp and device.type == "cuda" and not torch.cuda.is_bf16_supported(False)
+    return (torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16,
+                           enabled=args.amp), torch.amp.GradScaler("cuda", enabled=fp16))
+
+# The group a collective in batch_loss must use (a gather for a contrastive loss: examples/
+loss_group = None  # contrastive.py): every rank (None); in --check's replay, rank 0 alone
 
 class ResumableSampler(DistributedSampler):
     """The DistributedSampler, able to start mid-epoch: it skips what a checkpoint covers."""
@@ -115,23 +137,52 @@ class ResumableSampler(DistributedSampler):
     def __len__(self):
         return super().__len__() - self.skip
 
-def train_step(model, batch, optimizer, scheduler, scaler, amp, max_norm, parts):
-    """One optimizer step in `parts` micro-batches; returns this rank's mean loss."""
+def split(samples, parts):  # a step's samples, in `parts` micro-batches as even as can be
+    return [samples[i * len(samples) // parts:(i + 1) * len(samples) // parts]
+            for i in range(parts)]
+
+def micro_batches(samples, parts, keep=False):  # the loader's collate_fn (--check keeps samples)
+    batches = [collate(part) for part in split(samples, parts)]
+    return (batches, samples) if keep else batches
+
+def to(batch, device):
+    return [t.to(device) for t in batch]
+
+def train_step(model, batches, optimizer, scheduler, scaler, amp, max_norm):
+    """One optimizer step over micro-batches; returns [loss sum, count] over every rank."""
     optimizer.zero_grad(set_to_none=True)  # (not after the step: --check reads the gradients)
-    loss_sum = 0.0
-    for i, micro in enumerate(zip(*(tensor.chunk(parts) for tensor in batch))):
-        with model.no_sync() if i < parts - 1 and isinstance(model, DDP) else nullcontext():
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for i, batch in enumerate(batches):
+        with model.no_sync() if i < len(batches) - 1 and isinstance(model, DDP) else nullcontext():
             with amp:  # DDP all-reduces in the last backward only (no_sync before it)
-                loss = batch_loss(model, micro) / parts
+                loss, count = batch_loss(model, batch)
             scaler.scale(loss).backward()  # (a disabled scaler: loss.backward())
-        loss_sum += loss.detach()
+        totals += torch.stack([loss.detach().double(), torch.as_tensor(count).to(totals)])
+    if isinstance(model, DDP):  # the ranks' shares: DDP averaged the gradients of the sums
+        if not model.find_unused_parameters:  # else the other ranks wait for them forever
+            unused = [n for n, p in model.module.named_parameters()
+                      if p.requires_grad and p.grad is None]
+            if unused:
+                print(f"diagnosis: rank {dist.get_rank()}: no gradient for {', '.join(unused)}"
+                      f" (a branch this rank did not use): --find-unused-parameters", flush=True)
+                os._exit(3)  # (its peers fail at once, instead of waiting on this rank)
+        dist.all_reduce(totals)  # (DDP averaged the gradients: times world size)
+    if not torch.isfinite(totals[0]):  # before the update: the weights stay as they were
+        raise FloatingPointError(f"the loss is {totals[0].item()}")
     scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
-    if max_norm:  # after the last backward: the averaged gradients, the same on every rank
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scale = dist.get_world_size() / max(totals[1].item(), 1) if isinstance(model, DDP) else \
+        1 / max(totals[1].item(), 1)  # the mean over every rank's samples (or tokens)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    # after the last backward: the averaged gradients, the same on every rank (0: no clipping)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+    if not (torch.isfinite(norm) or scaler.is_enabled()):  # (fp16: the scaler skips the step)
+        raise FloatingPointError(f"the gradients' norm is {norm.item()}")
     scaler.step(optimizer)
     scaler.update()
     scheduler.step()
-    return loss_sum
+    return totals
 
 @torch.no_grad()
 def evaluate(raw_model, loader, device, amp):
@@ -142,7 +193,7 @@ def evaluate(raw_model, loader, device, amp):
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     for batch in loader:
         with amp:
-            sums += eval_sums(raw_model, [t.to(device) for t in batch]).double()
+            sums += eval_sums(raw_model, to(batch, device)).double()
     raw_model.train()
     dist.all_reduce(sums)
     return sums[0].item() / sums[2].item(), sums[1].item() / sums[2].item()
@@ -151,23 +202,22 @@ def log(message):
     if dist.get_rank() == 0:  # every rank holds the same model: one speaks for all
         print(message, flush=True)
 
-def replay(model, optimizer, scheduler, gathered, args, ranks):
-    """The step one process takes on the global batch (the i-th micro-batch of every rank, in
-    the order `ranks`, in one forward: what SyncBatchNorm normalises over); what it left."""
-    whole = [torch.stack([gathered[r][i].unflatten(0, (args.accumulation, -1)) for r in ranks],
-                         dim=1).flatten(0, 2) for i in range(len(gathered[0]))]  # micro-major
-    return left(model, train_step(model, whole, optimizer, scheduler, NO_SCALER, nullcontext(),
-                                  args.max_norm, args.accumulation))
+def replay(model, optimizer, scheduler, batches, max_norm):
+    """The step one process takes on the global batch's micro-batches; what it left."""
+    totals = train_step(model, batches, optimizer, scheduler, NO_SCALER, nullcontext(), max_norm)
+    return left(model, totals)
 
-def left(model, loss):  # what a step left (compared at once: no copies)
-    return {"loss": {"loss": loss.detach()}, "buffers": dict(model.named_buffers()),
+def left(model, totals):  # what a step left (compared at once: no copies)
+    return {"loss": {"loss": totals[0] / totals[1]}, "buffers": dict(model.named_buffers()),
             "gradients": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
             "weights": {n: p.detach() for n, p in model.named_parameters()}}
 
 def check(model, raw_model, optimizer, scheduler, loader, device, args):
-    """--check: rank 0 replays each global batch as one process (the reference), and again with
-    the ranks' samples in reverse order (the control: as right, rounded otherwise). DDP passes
-    where it differs from the reference at most 10x as much as the control does."""
+    """--check: rank 0 replays each global batch as one process (the reference: the i-th
+    micro-batch of every rank's samples, collated as one), and again with the ranks' samples in
+    reverse order (the control: as right, rounded otherwise). DDP passes where it differs from
+    the reference at most 10x as much as the control does."""
+    global loss_group
     for module in raw_model.modules():  # the ranks would draw other masks than one process
         if isinstance(module, (nn.Dropout, nn.MultiheadAttention)):
             setattr(module, "p" if isinstance(module, nn.Dropout) else "dropout", 0.0)
@@ -176,40 +226,71 @@ def check(model, raw_model, optimizer, scheduler, loader, device, args):
     for module in (m for twin in twins for m in twin.modules() if hasattr(m, "process_group")):
         module.process_group = solo  # SyncBatchNorm (or yours) replayed: over rank 0's batch
     optimizers = [build_optimizer(twin, args, args.epochs * len(loader)) for twin in twins]
-    for step, batch in zip(range(1, args.check_steps + 1), loader):
-        loss = train_step(model, [t.to(device) for t in batch], optimizer, scheduler, NO_SCALER,
-                          nullcontext(), args.max_norm, args.accumulation)
-        dist.all_reduce(loss)  # the sum of the ranks' means
+    for step, (batches, samples) in zip(range(1, args.check_steps + 1), loader):
+        totals = train_step(model, to_device(batches, device), optimizer, scheduler, NO_SCALER,
+                            nullcontext(), args.max_norm)
         gathered = [None] * world
-        dist.all_gather_object(gathered, list(batch))  # (the loader's, on the CPU)
+        dist.all_gather_object(gathered, samples)  # (the loader's, on the CPU)
         if rank != 0:
             continue  # (every rank runs every step: the collectives pair up)
-        if world > 1 and all(torch.equal(g[0], gathered[0][0]) for g in gathered[1:]):
+        if world > 1 and all(same(g, gathered[0]) for g in gathered[1:]):
             verdict = verdict or "the ranks trained the same samples: use a DistributedSampler"
-        gathered = [[t.to(device) for t in g] for g in gathered]
-        ddp, ref, ctl = left(raw_model, loss / world), *(
-            replay(twin, *opt, gathered, args, order) for twin, opt, order in
-            zip(twins, optimizers, (range(world), range(world - 1, -1, -1))))
+        loss_group = solo  # (the replay's gathers: rank 0's batch alone)
+        ddp, ref, ctl = left(raw_model, totals), *(
+            replay(twin, *opt, global_batches(gathered, order, args, device), args.max_norm)
+            for twin, opt, order in zip(twins, optimizers, (range(world),
+                                                             range(world - 1, -1, -1))))
+        loss_group = None
         for kind in ("loss", "gradients", "buffers", "weights")[2 * (step > 1):]:
             if ref[kind]:
-                verdict = verdict or compare(kind, step, ddp[kind], ref[kind], ctl[kind])
+                verdict = verdict or compare(kind, step, ddp[kind], ref[kind], ctl[kind],
+                                             raw_model)
     failed = torch.tensor(float(verdict is not None), device=device)
     dist.broadcast(failed, src=0)  # every rank exits alike
     log("diagnosis: " + (verdict or f"DDP on {world} ranks computes what one process "
                                     f"computes, within rounding, for {step} steps"))
     return int(failed.item())
 
-def compare(kind, step, ddp, reference, control):
+def to_device(batches, device):
+    return [to(batch, device) for batch in batches]
+
+def same(a, b):  # two ranks' samples, tensor for tensor
+    return all(torch.equal(x, y) for s, t in zip(a, b) for x, y in zip(s, t))
+
+def global_batches(gathered, ranks, args, device):  # micro-batch i: every rank's i-th, collated
+    parts = [split(gathered[r], args.accumulation) for r in ranks]
+    return [to(collate([s for p in parts for s in p[i]]), device)
+            for i in range(args.accumulation)]
+
+def compare(kind, step, ddp, reference, control, model):
     """One line: how far DDP is from the reference, beside the control's rounding."""
     (got, where), (floor, _) = (max(((a[k].double() - reference[k].double()).abs().max().item(),
                                      k) for k in a) for a in (ddp, control))
     ok = got <= 10 * floor + 1e-6  # (+1e-6: the control may round exactly as the reference)
     log(f"check step {step}, {kind}: off by {got:.3g} (rounding {floor:.3g})"
         f"{': ok' if ok else f' at {where}: DIFFERENT'}")
-    hint = {"loss": "BatchNorm per rank?", "buffers": "BatchNorm per rank: use SyncBatchNorm",
-            "gradients": "not averaged as one process would (clipping inside no_sync? a loss "
-                         "not the batch mean?)", "weights": "an optimizer or schedule per rank?"}
+    per_rank_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not hasattr(
+        m, "process_group") for m in model.modules())  # (SyncBatchNorm and ours have one)
+    bn = "BatchNorm per rank: use convert_batchnorm (or SyncBatchNorm on GPUs)"
+    hint = {"loss": bn if per_rank_bn else "batch_loss depends on how the ranks split the "
+                    "batch: return the loss SUMMED and its count (tokens: not a mean per rank)",
+            "buffers": bn if per_rank_bn else "a buffer updated from this rank's share alone",
+            "gradients": "the loss agreed, its gradients not: a gather without gradient in "
+                         "batch_loss, or clipping inside no_sync?",
+            "weights": "an optimizer or schedule per rank?"}
     return None if ok else f"{kind} not as in one process at step {step} ({where}): {hint[kind]}"
+
+def save(path, state):  # atomically, under a name no one can plant (mkstemp: O_EXCL, no link)
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".checkpoint.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)  # a kill mid-write keeps the old one
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 def main():
     args = parse_flags()
@@ -221,13 +302,19 @@ def main():
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP checks them)
     raw_model = build_model(args).to(device)
     model = DDP(torch.compile(raw_model) if args.compile else raw_model,
-                device_ids=[device] if device.type == "cuda" else None)
+                device_ids=[device] if device.type == "cuda" else None,
+                find_unused_parameters=args.find_unused_parameters)
     per_rank = args.batch_size // world
     sampler = ResumableSampler(train_set, world, rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train_set, per_rank, sampler=sampler, drop_last=True)
-    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world)), 256)
+    loader = DataLoader(train_set, per_rank, sampler=sampler, drop_last=True, collate_fn=
+                        functools.partial(micro_batches, parts=args.accumulation, keep=args.check))
+    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world)), 256,
+                             collate_fn=collate)
     steps = len(loader)  # per epoch
     optimizer, scheduler = build_optimizer(model, args, args.epochs * steps)
+    log(f"{world} rank(s) on {device}, {per_rank} samples each a step in {args.accumulation} "
+        f"micro-batch(es), {steps} steps an epoch, amp "
+        f"{'bf16' if args.amp and not scaler.is_enabled() else 'fp16' if args.amp else 'off'}")
     if args.check:
         return check(model, raw_model, optimizer, scheduler, loader, device, args)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -245,18 +332,19 @@ def main():
         for name, part in kept.items():
             part.load_state_dict(saved[name])
         start, done = saved["epoch"], saved["step"]
-        rng = saved["rng"][rank] if len(saved["rng"]) == world else None
+        if done and len(saved["rng"]) == world:  # mid-epoch: an epoch starts from its seed
+            rng = saved["rng"][rank]
         log(f"resumed at step {done} of epoch {start + 1}")
 
-    def save(epoch, step):  # every rank calls this: every rank's random state is kept
+    def checkpoint(epoch, step):  # every rank calls this: every rank's random state is kept
         states = [None] * world  # what dropout draws next, on each rank (exact resume)
         dist.all_gather_object(states, {"cpu": torch.get_rng_state(), **(
             {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})})
+        if not all(t.isfinite().all() for t in raw_model.state_dict().values()):
+            raise FloatingPointError("the weights are not finite")  # (never saved)
         if rank == 0:  # every rank holds the same weights: one writer is enough
-            torch.save({**{name: part.state_dict() for name, part in kept.items()},
-                        "epoch": epoch, "step": step, "rng": states, "settings": settings},
-                       f"{path}.tmp")
-            os.replace(f"{path}.tmp", path)  # atomically: a kill mid-write keeps the old one
+            save(path, {**{name: part.state_dict() for name, part in kept.items()},
+                        "epoch": epoch, "step": step, "rng": states, "settings": settings})
         dist.barrier()  # no rank reads it before it is complete
 
     for epoch in range(start, args.epochs):
@@ -268,31 +356,41 @@ def main():
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], device)
-        loss_sum, step = torch.zeros((), dtype=torch.float64, device=device), done
-        for batch in batches:
-            loss_sum += train_step(model, [t.to(device) for t in batch], optimizer, scheduler,
-                                   scaler, amp, args.max_norm, args.accumulation)
+        sums, step, stopping = torch.zeros(2, dtype=torch.float64, device=device), done, False
+        for micro in batches:
+            sums += train_step(model, to_device(micro, device), optimizer, scheduler, scaler,
+                               amp, args.max_norm)
             step += 1
             votes = torch.tensor(float(bool(stop)), device=device)
-            if step % 10 == 0:  # a vote waits for the GPU: every 10th step (SLURM waits 30 s)
-                dist.all_reduce(votes)  # any rank asked: all stop, at the same step
-            stopping = step % 10 == 0 and votes.item() > 0
-            if stopping or (step % args.checkpoint_every == 0 and step < steps):
-                save(epoch, step)
-            if stopping:
+            if (epoch * steps + step) % VOTE_EVERY == 0 or step == steps:  # (a vote waits
+                dist.all_reduce(votes)  # for the GPU): any rank asked, all stop at one step
+            stopping = votes.item() > 0
+            if step < steps and (stopping or step % args.checkpoint_every == 0):
+                checkpoint(epoch, step)
+            if stopping and step < steps:
                 log(f"stopping at step {step} of epoch {epoch + 1}: checkpoint saved")
                 return 75  # (sysexits' TEMPFAIL: stopped early, checkpointed; requeue me)
-        dist.all_reduce(loss_sum)  # every rank's samples (of the steps since a resume)
-        train_loss = loss_sum.item() / max(1, world * (step - done))
         done, rng = 0, None
-        save(epoch + 1, 0)
+        checkpoint(epoch + 1, 0)
+        if stopping:
+            log(f"stopping after epoch {epoch + 1}: checkpoint saved")
+            return 75
         test_loss, accuracy = evaluate(raw_model, test_loader, device, amp)
-        log(f"epoch {epoch + 1}: train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
-            f"test accuracy {100 * accuracy:.2f}%")
+        log(f"epoch {epoch + 1}: train loss {sums[0].item() / max(1, sums[1].item()):.4f}  "
+            f"test loss {test_loss:.4f}  test accuracy {100 * accuracy:.2f}%")
     return 0
 
 def run():
-    code = main()
+    try:
+        code = main()
+    except RuntimeError as err:  # a rank that left (its own line said why) breaks a collective
+        if "by peer" not in str(err):  # (gloo: "Connection reset by peer", or "closed by")
+            raise
+        print(f"error: rank {dist.get_rank()}: another rank left during a collective", flush=True)
+        os._exit(1)
+    except FloatingPointError as err:  # on every rank alike: the loss and norm are all-reduced
+        log(f"error: {err}: stopped, the last checkpoint kept as it was (a lower --lr?)")
+        code = 1
     gc.collect()  # main's DDP model holds the group: gone first, then the group (else aborts)
     dist.destroy_process_group()
     raise SystemExit(code)

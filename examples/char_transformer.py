@@ -21,14 +21,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # where train_template.py is
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository's, if none beside
 import train_template as template  # noqa: E402
 
 CONTEXT = 32  # characters the model sees at once
 
 
 def add_flags(parser):
-    parser.add_argument("--chars", type=int, default=40_000, help="characters of text to use")
+    parser.add_argument("--chars", type=template.positive, default=40_000,
+                        help="characters of text to use")
     parser.set_defaults(batch_size=32, accumulation=2, lr=1e-3, epochs=2)  # this model's
 
 
@@ -60,9 +61,10 @@ def build_model(args):
     return CharTransformer()
 
 
-def batch_loss(model, batch):
+def batch_loss(model, batch):  # summed over the batch's characters, and how many
     inputs, targets = batch
-    return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    return (F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum"),
+            targets.numel())
 
 
 def eval_sums(model, batch):  # per character: [loss sum, correct guesses, characters]

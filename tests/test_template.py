@@ -1,8 +1,11 @@
 """train_template.py, copied alone into an empty folder as a user starts a project: it trains on
-2 CPU ranks, ends with the uninterrupted run's weights bit for bit after a kill -9 or a SIGTERM
-(and a requeue), and its --check passes on 2 and 3 ranks and names a planted DDP mistake. The
-two ports in examples/ pass --check and resume bit for bit too; resnet18's plain BatchNorm fails
---check; on the CPU its every BatchNorm is step 11's all-reduced one."""
+2 CPU ranks, ends with the uninterrupted run's weights bit for bit after a kill -9 (at an epoch's
+first step, mid-epoch, at its last step) or a SIGTERM (and a requeue), and its --check passes on
+2 and 3 ranks and names a planted DDP mistake. It stops on a NaN before saving, acts on SIGTERM
+at 4 steps an epoch, writes no checkpoint through a planted link, and says a branch unused on
+one rank in one line. The ports in examples/ pass --check (the padded-token and contrastive
+ones; their naive variants fail it, named) and resume bit for bit; resnet18's plain BatchNorm
+fails --check; on the CPU its every BatchNorm is its own all-reduced one."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import os
 import re
 import signal
 import time
+
+import sys
 
 import pytest
 import torch
@@ -32,11 +37,38 @@ def folder(tmp_path_factory):
     backward = "            scaler.scale(loss).backward()  # (a disabled scaler: loss.backward())\n"
     clip_in_loop = text.replace(backward, backward + "            torch.nn.utils.clip_grad_norm_("
                                 "model.parameters(), max_norm)\n")  # each rank's, in no_sync
+    # paced: 0.1 s a micro-batch, so that a kill lands in the step after a checkpoint
+    slow = text.replace("import tempfile\n", "import tempfile\nimport time\n").replace(
+        "    inputs, targets = batch  #", "    time.sleep(0.1)\n    inputs, targets = batch  #")
     assert plain_bn != text and no_sampler != text and clip_in_loop != text  # (still planted)
+    assert slow.count("time.sleep(0.1)") == 1 and "import time\n" in slow
     (folder / "plain_bn.py").write_text(plain_bn)
     (folder / "no_sampler.py").write_text(no_sampler)
     (folder / "clip_in_loop.py").write_text(clip_in_loop)
+    (folder / "slow.py").write_text(slow)
+    (folder / "two_experts.py").write_text(TWO_EXPERTS)
     return folder
+
+
+# A port: a second expert that only rare inputs reach. At --check's first step rank 0's 48
+# samples hold none of them and rank 1's some (the template's data, seed 0).
+TWO_EXPERTS = """
+import torch
+import torch.nn as nn
+import train_template as template
+
+class TwoExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(32, 8) for _ in range(2))
+
+    def forward(self, x):
+        rare, out = x[:, 0] > 2.4, self.experts[0](x)
+        return torch.where(rare[:, None], self.experts[1](x), out) if rare.any() else out
+
+template.build_model = lambda args: TwoExperts()
+template.run()
+"""
 
 
 def weights(out_dir, epochs=2) -> dict:
@@ -76,17 +108,34 @@ def start_and_signal(folder, out, signum, *, torchrun_extra=(), worker=False, en
         return proc.returncode, log.read()
 
 
+# 16 steps an epoch; the kill tests run slow.py, paced, so that a kill lands where it should
+KILL_RUN = ["--epochs", "2", "--batch-size", "256"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_16(folder):
+    out = folder / "uninterrupted_16"
+    launch(torchrun_cmd(2, TEMPLATE, *KILL_RUN, "--out-dir", out), cwd=folder)
+    return weights(out)
+
+
 @PORT_TAKEN_RERUNS
-def test_kill_9_of_a_rank_resumes_to_the_same_weights(folder, uninterrupted):
-    """torchrun --max-restarts 1 restarts the group after a kill -9 of one rank; the template
-    resumes from its step checkpoint (sampler position and every rank's RNG state)."""
-    out = folder / "killed"
+@pytest.mark.parametrize("every, resumed", [
+    (100, "resumed at step 0 of epoch 2"),  # the first checkpoint: epoch 1's end; killed in
+    (5, "resumed at step 5 of epoch 1"),  # epoch 2's first step (the epoch-start resume)
+    (15, "resumed at step 15 of epoch 1")])  # killed in the epoch's last step
+def test_kill_9_of_a_rank_resumes_to_the_same_weights(folder, uninterrupted_16, every, resumed):
+    """torchrun --max-restarts 1 restarts the group after a kill -9 of one rank, right after
+    the first checkpoint; the template resumes from it (sampler position; every rank's RNG
+    state mid-epoch, the epoch's own seed at its start) and ends bit for bit as uninterrupted."""
+    out = folder / f"killed_{every}"
     code, output = start_and_signal(folder, out, signal.SIGKILL, worker=True,
-                                    torchrun_extra=("--max-restarts", "1"),
+                                    torchrun_extra=("--max-restarts", "1"), script="slow.py",
+                                    args=[*KILL_RUN, "--checkpoint-every", every],
                                     env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
     assert code == 0, output
-    assert "resumed at step" in output, output
-    assert_same_weights(weights(out), uninterrupted)
+    assert resumed in output, output
+    assert_same_weights(weights(out), uninterrupted_16)
 
 
 def test_sigterm_checkpoints_exits_75_and_a_requeue_ends_as_uninterrupted(folder, uninterrupted):
@@ -116,8 +165,9 @@ def test_a_restart_does_not_adopt_another_runs_checkpoint(folder, uninterrupted,
     assert proc.stdout.count("test accuracy") == 2, proc.stdout  # both epochs trained
 
 
-@pytest.mark.parametrize("nproc, flags", [(2, []), (3, ["--batch-size", "96",
-                                                        "--accumulation", "2"])])
+@pytest.mark.parametrize("nproc, flags", [
+    (3, []),  # the defaults; and uneven micro-batches (50 samples a rank: 16, 17, 17)
+    (2, ["--batch-size", "100", "--accumulation", "3"])])
 def test_check_passes_for_the_template(folder, nproc, flags):
     proc = launch(torchrun_cmd(nproc, TEMPLATE, "--check", *flags), cwd=folder)
     assert "check step 1, gradients: off by" in proc.stdout, proc.stdout
@@ -145,10 +195,79 @@ def test_max_restarts_without_a_fresh_store_is_one_line(folder):
 
 
 def test_bad_flags_are_one_line_before_any_work(folder):
-    proc = launch(torchrun_cmd(2, TEMPLATE, "--batch-size", "63"), cwd=folder, check=False)
+    """printed once (by rank 0), though every rank checks: the default batch on 3 ranks is
+    checked by test_check_passes_for_the_template; 128 does not divide."""
+    proc = launch(torchrun_cmd(3, TEMPLATE, "--batch-size", "128"), cwd=folder, check=False)
     assert proc.returncode != 0
-    assert "error: --batch-size 63 does not divide into 2 rank(s)" in proc.stderr, proc.stderr
+    assert proc.stderr.count("error: --batch-size 128 does not divide into 3 rank(s)") == 1, \
+        proc.stderr
     assert f'{TEMPLATE}", line' not in proc.stderr, proc.stderr  # no traceback through it
+    examples = [("--chars", "-5", PORT), ("--train-samples", "-100", RESNET)]
+    for flag, value, port in examples:  # the ports' own flags: checked alike, in one line
+        proc = launch([sys.executable, port, flag, value], cwd=folder, check=False)
+        assert proc.returncode == 2 and f"argument {flag}: '{value}' is not a whole number" \
+            in proc.stderr, proc.stderr
+
+
+def test_a_nan_loss_stops_the_run_before_it_saves(folder, tmp_path):
+    """--lr 1e6: the gradients' norm is NaN at step 3 (the loss is all-reduced, the norm is
+    the averaged gradients': every rank stops alike); the step-2 checkpoint stays finite."""
+    out = tmp_path / "nan"
+    proc = launch(torchrun_cmd(2, TEMPLATE, "--lr", "1e6", "--checkpoint-every", "1",
+                               "--out-dir", out), cwd=folder, check=False)
+    assert proc.returncode != 0, proc.stdout
+    assert re.search(r"^error: the (loss|gradients' norm) is (nan|inf)", proc.stdout, re.M), \
+        proc.stdout
+    assert "test accuracy" not in proc.stdout, proc.stdout
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert all(t.isfinite().all() for t in saved["model"].values())
+
+
+@pytest.fixture(scope="module")
+def four_steps_an_epoch(folder):
+    """40 epochs of 4 steps (--batch-size 1024), --amp, a link planted at the checkpoint's old
+    temporary name pointing outside the run; SIGTERM once the first checkpoint is written."""
+    out, outside = folder / "four_steps", folder / "outside.txt"
+    out.mkdir()
+    outside.write_text("a file of the user's")
+    (out / "checkpoint.pt.tmp").symlink_to(outside)
+    code, output = start_and_signal(folder, out, signal.SIGTERM, args=[
+        "--epochs", "40", "--batch-size", "1024", "--checkpoint-every", "2", "--amp"])
+    return code, output, out, outside
+
+
+def test_sigterm_is_acted_on_at_4_steps_an_epoch(four_steps_an_epoch):
+    code, output, out, _ = four_steps_an_epoch
+    assert code != 0 and re.search(r"stopping (at step \d+ of|after) epoch", output), output
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["epoch"] < 40, "the run finished before the signal: nothing was proven"
+
+
+def test_a_planted_link_is_not_written_through(four_steps_an_epoch):
+    _, output, out, outside = four_steps_an_epoch
+    assert outside.read_text() == "a file of the user's"
+    assert (out / "checkpoint.pt").is_file() and not (out / "checkpoint.pt").is_symlink()
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "checkpoint.pt.tmp"]
+
+
+def test_amp_on_the_cpu_is_bf16(four_steps_an_epoch):
+    output = four_steps_an_epoch[1]  # (the template's first line says what it runs)
+    assert re.search(r"^2 rank\(s\) on cpu, .* amp bf16$", output, re.M), output
+
+
+def test_a_branch_unused_on_one_rank_is_one_line_under_check(folder):
+    """Without --find-unused-parameters the rank that did not use the second expert says so
+    and leaves; its peer, waiting in backward, says that a rank left (no abort inside gloo, no
+    hang). With it, --check passes."""
+    proc = launch(torchrun_cmd(2, "two_experts.py", "--check"), cwd=folder, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert re.search(r"^diagnosis: rank 0: no gradient for experts\.1\.weight, experts\.1\.bias"
+                     r" .*--find-unused-parameters$", proc.stdout, re.M), output
+    assert "[rank" not in output and "Received data size" not in output, output
+    proc = launch(torchrun_cmd(2, "two_experts.py", "--check", "--find-unused-parameters"),
+                  cwd=folder)
+    assert "diagnosis: DDP on 2 ranks computes what one process computes" in proc.stdout
 
 
 MID_EPOCH = re.compile(r"resumed at step [1-9]\d* of epoch 1")
@@ -185,9 +304,14 @@ RESNET_RUN = ["--train-samples", "256", "--test-samples", "64", "--batch-size", 
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_the_resnet18_port_passes_check_with_synchronised_batchnorm(nproc, tmp_path):
-    """--bn sync (the default): on the CPU every BatchNorm is step 11's AllReducedBatchNorm;
-    outputs, gradients, running statistics and weights are one process's within rounding."""
-    proc = launch(torchrun_cmd(nproc, RESNET, "--check", *RESNET_RUN[:4], "--batch-size",
+    """--bn sync (the default): on the CPU every BatchNorm is its AllReducedBatchNorm (step
+    11's); outputs, gradients, running statistics and weights are one process's within
+    rounding. On 2 ranks the port and the template are copied out alone, as a user would."""
+    if nproc == 2:
+        for source in (RESNET, REPO / TEMPLATE):
+            (tmp_path / source.name).write_text(source.read_text())
+    port = tmp_path / RESNET.name if nproc == 2 else RESNET
+    proc = launch(torchrun_cmd(nproc, port, "--check", *RESNET_RUN[:4], "--batch-size",
                                16 * nproc), cwd=tmp_path)
     assert "check step 1, buffers: off by" in proc.stdout, proc.stdout  # BatchNorm's, compared
     assert f"diagnosis: DDP on {nproc} ranks computes what one process computes" in proc.stdout
@@ -256,3 +380,27 @@ def test_the_resnet18_ports_batchnorm_is_step_11s_on_the_cpu(monkeypatch):
     assert kinds == ["AllReducedBatchNorm"] * 20, kinds
     plain = torchvision.models.resnet18(num_classes=10)
     assert model.state_dict().keys() == plain.state_dict().keys()
+
+
+PADDED = REPO / "examples" / "padded_lm.py"
+CONTRASTIVE = REPO / "examples" / "contrastive.py"
+
+
+@pytest.mark.parametrize("port, flags, diagnosis", [
+    # a model nobody here wrote (torch's GRU) on lines padded per batch, a token loss: the
+    # ranks' and micro-batches' shapes and token counts differ; no collective of its own
+    (PADDED, ["--accumulation", "2"], None),
+    (PADDED, ["--loss", "mean"], "loss not as in one process at step 1 (loss): batch_loss "
+     "depends on how the ranks split the batch: return the loss SUMMED and its count (tokens"),
+    (CONTRASTIVE, ["--accumulation", "2"], None),  # each micro-batch gathered over the ranks
+    (CONTRASTIVE, ["--gather", "plain"], "the loss agreed, its gradients not: a gather without "
+     "gradient in batch_loss")])
+def test_the_token_and_contrastive_ports_pass_check_and_their_naive_variants_fail(
+        port, flags, diagnosis, tmp_path):
+    proc = launch(torchrun_cmd(2, port, "--check", *flags), cwd=tmp_path, check=False)
+    last = [line for line in proc.stdout.splitlines() if line.startswith("diagnosis:")]
+    assert len(last) == 1, proc.stdout + proc.stderr
+    if diagnosis is None:
+        assert proc.returncode == 0 and "what one process computes" in last[0], proc.stdout
+    else:
+        assert proc.returncode != 0 and diagnosis in last[0], proc.stdout
