@@ -17,11 +17,18 @@ import torch
 from .checkpoint import write_atomically, write_failure
 from .errors import UserError
 
-# N ranks vs one process over the same global batch, float32 on the CPU: the same sums in
-# another order (the all-reduced BatchNorm statistics, DDP's averaged gradients). Measured on
-# torch 2.15.0, 4 steps, 2 and 3 ranks: 3.0e-7 at most on this project's VM, 6.0e-7 on another
-# CPU (see docs/your-model.md); the planted batchnorm and clip mistakes differ by 1e-3 or more.
-TOLERANCE = 1e-5
+# N ranks vs one process over the same global batch, float32: the same sums in another order
+# (the all-reduced BatchNorm statistics, DDP's averaged gradients). How far that rounding goes
+# is the CPU's: 1.2e-7 in the gradients on this project's AMD EPYC VM, 6.6e-4 on an Intel Xeon
+# (issue 59). So no fixed number bounds it: the control (the same steps, each micro-batch's
+# samples in reverse order: step11_your_model.py) measures it where the step runs, and a check
+# holds where the DDP model is within TIMES x the control's difference + ABSOLUTE of the
+# reference: train_template.py's rule (its compare()). ABSOLUTE is for a control that rounds as
+# the reference does (the running statistics: 0 to 1.5e-8, the ranks' 1.2e-7 to 1.8e-7, from
+# the hand-written BatchNorm): 1e-6, a few last bits of the largest numbers compared (logits of
+# up to 2-4: 2.4e-7 a bit), 190x under the smallest difference a planted mistake measured
+# (1.9e-4, clip's running statistics; the rest 1.2e-3 and more). torch 2.14.1, 2 to 4 ranks.
+TIMES, ABSOLUTE = 10, 1e-6
 CHECKS = ("outputs", "gradients", "running statistics", "weights")
 EXIT_MISTAKE = 4  # the planted mistake showed: torch raised, or a check measured it
 RAISES = {"unused": "Expected to have finished reduction in the prior iteration",
@@ -83,28 +90,38 @@ def write_checks(path, results: dict) -> None:
     write_in_one_line(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
 
 
+def bounds(one_process) -> dict:
+    """Each check's bound: TIMES x the control's difference (the rounding) + ABSOLUTE."""
+    return {kind: TIMES * one_process.rounding[kind] + ABSOLUTE for kind in CHECKS}
+
+
 def report(one_process, sampled, reloaded, run, args) -> bool:
     """Rank 0: each check's measured number, then the diagnosis; True if any check failed."""
-    found, n = one_process.found, run.world_size
+    found, rounding, n = one_process.found, one_process.rounding, run.world_size
+    bound = bounds(one_process)
     for kind in CHECKS:
         print(f"check {kind}: {n} ranks vs one process over the global batch, {args.steps} "
-              f"steps: largest difference {found[kind]:.3g} (tolerance {TOLERANCE:g})")
+              f"steps: largest difference {found[kind]:.3g} (rounding {rounding[kind]:.3g}, "
+              f"bound {bound[kind]:.3g})")
     print(f"check running statistics between ranks: largest difference "
           f"{found['between ranks']:.3g}")
     print(f"check samples: each rank drew {sampled['per_rank']}; {sampled['shared_by_rank_0']} "
           f"of rank 0's were drawn by another rank too; {sampled['distinct']} distinct of "
           f"{sampled['per_rank'] * n}")
     print(f"check save: the reloaded plain model's outputs differ by {reloaded:g}")
-    unequal = [kind for kind in CHECKS if not found[kind] <= TOLERANCE]
+    unequal = [kind for kind in CHECKS if not found[kind] <= bound[kind]]
     overlapping = sampled["shared_by_rank_0"] > 0
     write_checks(args.out_dir / "checks.json", {
-        "bug": args.bug, "world_size": n, "steps": args.steps, **found,
-        "norms": one_process.norms, **sampled, "reloaded": reloaded, "unequal": unequal})
+        "bug": args.bug, "world_size": n, "steps": args.steps, **found, "rounding": rounding,
+        "bound": bound, "norms": one_process.norms, **sampled, "reloaded": reloaded,
+        "unequal": unequal})
     norms = ", ".join(f"{x:.2f}" for x in one_process.norms)
+    rule = f"{TIMES}x the rounding + {ABSOLUTE:g}"
     if args.bug in ("batchnorm", "clip") and not unequal:  # the measurement decides, not --bug
         print(f"diagnosis: none measured: --bug {args.bug} is planted, yet {n} ranks equal one "
-              f"process within {TOLERANCE:g} (gradients {found['gradients']:.3g}, weights "
-              f"{found['weights']:.3g})" + (
+              f"process within rounding ({rule}: gradients {found['gradients']:.3g}, bound "
+              f"{bound['gradients']:.3g}; weights {found['weights']:.3g}, bound "
+              f"{bound['weights']:.3g})" + (
                   f": clipping never bit (global norms {norms}, --max-norm "
                   f"{args.max_norm:g}); a lower --max-norm shows the mistake"
                   if args.bug == "clip" else ""))
@@ -127,10 +144,12 @@ def report(one_process, sampled, reloaded, run, args) -> bool:
               f"{args.max_norm:g}): clip once, after the last backward")
     else:
         if unequal or overlapping or reloaded != 0:
-            print(f"error: a fix did not hold: {', '.join(unequal) or 'samples or save'}")
+            print("error: a fix did not hold: " + ("; ".join(
+                f"{kind} {found[kind]:.3g} from one process's (bound {bound[kind]:.3g})"
+                for kind in unequal) or "samples or save"))
             return True
         print(f"all fixes hold: {n} ranks equal one process over the global batch within "
-              f"{TOLERANCE:g} (outputs, gradients, running statistics, weights; "
+              f"rounding ({rule} in each of outputs, gradients, running statistics, weights; "
               f"global norms {norms}, clipped to {args.max_norm:g}); the ranks' samples are "
               f"disjoint; the saved model reloads bit for bit")
         return False

@@ -5,7 +5,10 @@ Rank 0 keeps a copy of the model and trains it the way one process would: on the
 the gradient clipped once. That step is train_template.py's replay, the one its --check takes.
 After each step the DDP model's outputs, gradients, BatchNorm running statistics and weights
 are compared with the copy's; the largest difference of each kind is what the step reports
-(step11_diagnosis.py prints it). The mistakes and their fixes are all in 11_your_model.py,
+(step11_diagnosis.py prints it), beside its rounding: a second copy, the control, takes the
+same steps with each global micro-batch's samples in reverse order, and how far it lands from
+the first is what float32 rounding alone gives on this machine (the template's --check has a
+control too: the ranks in reverse order). The mistakes and their fixes are all in 11_your_model.py,
 which runs copied out without this module; in the repository `take_in(step)` (twins.py) wraps
 its functions:
 
@@ -24,7 +27,6 @@ A stop signal (SIGTERM) ends 11 at once, in one line: it has nothing to checkpoi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 
@@ -81,66 +83,90 @@ def largest(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 class OneProcess:
-    """Rank 0's copy of the model, trained as one process over the global batch by
+    """Rank 0's two copies of the model, each trained as one process over the global batch by
     train_template.py's own replay (one implementation of it: the template's --check runs the
-    same); `found` holds the largest difference from the DDP model seen so far, per kind."""
+    same): the reference joins each micro-batch from the ranks' samples in rank order, the
+    control takes them in reverse order, the last rank's last sample first (as right, rounded
+    otherwise: the rounding this machine's float32 kernels give the same step; every sample
+    reversed, not the ranks alone, so that ranks that drew the same samples, --bug sampler,
+    still sum in another order). `found` holds the largest difference from the DDP model to the
+    reference seen so far, per kind; `rounding`, the control's."""
 
     def __init__(self, model, loss_of, lr: float, max_norm: float, run):
         self.run, self.loss_of, self.max_norm = run, loss_of, max_norm
         self.found = dict.fromkeys(CHECKS, 0.0)
         self.found["between ranks"] = 0.0  # running statistics, rank against rank
+        self.rounding = dict.fromkeys(CHECKS, 0.0)  # the control against the reference
         self.norms = []  # the one-process gradient norm of each step, before clipping
         if run.is_main:
-            self.model = copy.deepcopy(model)
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
-            self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+            self.twins = []  # the reference, the control: (model, optimizer, schedule)
+            for _ in range(2):
+                twin = copy.deepcopy(model)
+                optimizer = torch.optim.SGD(twin.parameters(), lr=lr, momentum=0.9)
+                self.twins.append((twin, optimizer,
+                                   torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)))
 
-    def step(self, gathered, micro_batches: int, with_aux: bool):
-        """One optimizer step over every rank's batch (`gathered`: [images, labels] per rank, in
-        rank order), as template.replay takes it; returns the outputs (micro-batch by
-        micro-batch) and the clipped gradients."""
-        outputs, clip = [], torch.nn.utils.clip_grad_norm_
+    def step(self, twin, gathered, micro_batches: int, with_aux: bool, reverse: bool):
+        """One optimizer step of `twin` over every rank's batch (`gathered`: [images, labels]
+        per rank, in rank order), as template.replay takes it, each micro-batch's samples in
+        reverse order if `reverse`; returns the outputs (micro-batch by micro-batch, in rank
+        order), the clipped gradients, and the norm before clipping."""
+        outputs, norms, clip = [], [], torch.nn.utils.clip_grad_norm_
 
-        def loss(model, batch):  # 11's loss, in the template's place: a micro-batch's mean
+        def loss(model, batch):  # 11's loss, in the template's place: (a sum, its samples)
             logits, aux = model(batch[0], with_aux=with_aux)
             outputs.append(logits.detach())
-            return self.loss_of(logits, aux, batch[1])
+            return self.loss_of(logits, aux, batch[1]) * len(batch[1]), len(batch[1])
 
         def clip_and_note(*args, **kwargs):  # the norm before clipping, for the report
             norm = clip(*args, **kwargs)
-            self.norms.append(norm.item())
+            norms.append(norm.item())
             return norm
 
+        order = (lambda t: t.flip(0)) if reverse else (lambda t: t)
         template.batch_loss, torch.nn.utils.clip_grad_norm_ = loss, clip_and_note
         try:
-            ran = template.replay(self.model, self.optimizer, self.schedule, gathered,
-                                  argparse.Namespace(accumulation=micro_batches,
-                                                     max_norm=self.max_norm),
-                                  range(self.run.world_size))
+            batches = [[order(torch.cat([rank[k].chunk(micro_batches)[i] for rank in gathered]))
+                        for k in range(2)] for i in range(micro_batches)]  # micro-batch major
+            ran = template.replay(*twin, batches, self.max_norm)
         finally:
             torch.nn.utils.clip_grad_norm_ = clip
-        return outputs, [ran["gradients"].get(name, torch.zeros_like(p))  # (an unused head)
-                         for name, p in self.model.named_parameters()]
+        return ([order(out) for out in outputs],
+                [ran["gradients"].get(name, torch.zeros_like(p))  # (an unused head)
+                 for name, p in twin[0].named_parameters()], norms)
 
     def compare(self, raw_model, micro_batches, outputs, grads, with_aux: bool) -> None:
-        """Every rank's batch and outputs gathered; rank 0 takes the one-process step on them
-        and records how far the DDP model is from it (a collective: every rank calls)."""
+        """Every rank's batch and outputs gathered; rank 0 takes the one-process step on them,
+        twice (reference, control), and records how far the DDP model is from the reference,
+        and the control (a collective: every rank calls)."""
         gathered = [list(batch) for batch in zip(*(gather(torch.cat(part), self.run) for part in
                                                    zip(*micro_batches)))]  # [images, labels]
         ddp_outputs = [torch.cat(gather(out, self.run)) for out in outputs]  # as replay orders
         stats = gather(running_statistics(raw_model), self.run)
         if not self.run.is_main:
             return
-        ref_outputs, ref_grads = self.step(gathered, len(micro_batches), with_aux)
+        n = self.run.world_size
+        (ref_outputs, ref_grads, norms), (ctl_outputs, ctl_grads, _) = (
+            self.step(twin, gathered, len(micro_batches), with_aux, reverse)
+            for twin, reverse in zip(self.twins, (False, True)))
+        self.norms += norms
+        reference, control = (twin[0] for twin in self.twins)
         found = {"outputs": largest(ddp_outputs, ref_outputs),
                  "gradients": largest(grads, ref_grads),
-                 "running statistics": largest(stats, [running_statistics(self.model)] *
-                                               len(stats)),
+                 "running statistics": largest(stats, [running_statistics(reference)] * n),
                  "weights": largest(list(raw_model.parameters()),
-                                    list(self.model.parameters())),
-                 "between ranks": largest(stats[1:], stats[:1] * (len(stats) - 1))}
+                                    list(reference.parameters())),
+                 "between ranks": largest(stats[1:], stats[:1] * (n - 1))}
+        rounding = {"outputs": largest(ctl_outputs, ref_outputs),
+                    "gradients": largest(ctl_grads, ref_grads),
+                    "running statistics": largest([running_statistics(control)],
+                                                  [running_statistics(reference)]),
+                    "weights": largest(list(control.parameters()),
+                                       list(reference.parameters()))}
         for kind, value in found.items():
             self.found[kind] = max(self.found[kind], value)
+        for kind, value in rounding.items():
+            self.rounding[kind] = max(self.rounding[kind], value)
 
 
 def overlap(indices: torch.Tensor, run) -> dict:

@@ -1,6 +1,7 @@
 """Step 11: every planted mistake ends non-zero with one diagnosis line, torch's own error quoted
 where torch raises one, and all fixes together make N ranks equal one process over the global
-batch: forward outputs, clipped gradients, BatchNorm running statistics and weights.
+batch: forward outputs, clipped gradients, BatchNorm running statistics and weights, within the
+rounding that a control (the same steps, the ranks' samples in reverse order) measures.
 
 Real torchrun processes, each launched once (module fixture): all fixes in one launch on 2 (from
 MNIST's files, as a copied 11 reads them) and on 3 ranks; every bug on 2 ranks; the silent ones,
@@ -15,11 +16,14 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import common
+from harness.step11_diagnosis import ABSOLUTE, CHECKS, TIMES, report
+
 from conftest import (REPO, LazyRuns, assert_no_traceback, assert_normalises_as_batchnorm2d,
                       copy_out, launch, run_step, torchrun_cmd)
 
@@ -28,11 +32,11 @@ RUNS = [("fix", 2), ("fix", 3), *[(bug, 2) for bug in BUGS],
         ("sampler", 3), ("batchnorm", 3), ("clip", 3), ("clip-never-bites", 2)]
 FLAGS = {"fix": ["--fix"], "clip-never-bites": ["--bug", "clip", "--max-norm", 10000]}
 HANG_GUARD_SECONDS = 180  # a run that has not ended by then hangs (startup alone is ~10 s)
-# N ranks vs one process, float32 on the CPU: the same sums in another order. Measured on
-# torch 2.15.0, 4 steps: at most 3.0e-7 (outputs), 7.1e-8 (gradients), 1.8e-7 (running
-# statistics), 3.0e-8 (weights), on 2 and 3 ranks, on this project's VM; another CPU measured
-# 6.0e-7 and 4.2e-7 (outputs, 2 and 3 ranks: issue 43). The bound stays 1e-5.
-ORDER = 1e-5
+# N ranks vs one process, float32: the same sums in another order, rounded as the CPU's kernels
+# round them (this VM: 1.2e-7 in the gradients; an Intel Xeon: 6.6e-4, issue 59). So the bound
+# is the run's own, measured where it runs: TIMES x how far the control (the same steps with the
+# ranks' samples joined in reverse order) lands from the one process, + ABSOLUTE
+# (harness/step11_diagnosis.py), written into checks.json as "rounding" and "bound" per check.
 # What the planted silent mistakes measured (docs/your-model.md): 1e-3 and more.
 WRONG = 1e-3
 DEFAULT_PER_RANK = 16 * 4  # --batch-per-rank 16 x --steps 4: the samples each rank draws
@@ -77,12 +81,43 @@ def test_all_fixes_equal_one_process(runs, nproc):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_no_traceback(proc)
     assert last_line(proc).startswith(f"all fixes hold: {nproc} ranks equal one process")
-    for kind in ("outputs", "gradients", "running statistics", "weights"):
-        assert checks[kind] < ORDER, (kind, checks)
+    for kind in CHECKS:
+        assert checks[kind] <= checks["bound"][kind], (kind, checks)
+        assert checks["bound"][kind] == TIMES * checks["rounding"][kind] + ABSOLUTE, checks
+        assert f"check {kind}: {nproc} ranks vs one process over the global batch, 4 steps: " \
+               f"largest difference {checks[kind]:.3g} (rounding {checks['rounding'][kind]:.3g}" \
+               f", bound {checks['bound'][kind]:.3g})" in proc.stdout
+    assert max(checks["rounding"].values()) > 0  # the control rounds otherwise: it measured
     assert checks["between ranks"] == 0.0  # every rank computed the same statistics, bit for bit
     assert max(checks["norms"]) > 1.0  # the clip (--max-norm 1) acted in every step
     assert checks["shared_by_rank_0"] == 0 and checks["distinct"] == DEFAULT_PER_RANK * nproc
     assert checks["reloaded"] == 0.0  # the saved model reloads bit for bit
+
+
+@pytest.mark.parametrize("gradients, rounding, holds", [
+    (6.6e-4, 1e-4, True),  # a CPU that rounds coarsely: its control rounds as coarsely
+    (6.6e-4, 3.6e-8, False),  # as coarse where the control rounds finely: not rounding
+    (9e-7, 0.0, True),  # the control rounded as the reference did: ABSOLUTE is the bound
+    (1.2e-6, 0.0, False)])
+def test_a_check_holds_within_ten_times_the_controls_rounding(gradients, rounding, holds,
+                                                              tmp_path, capsys):
+    """report() in this process, on made-up numbers: the verdict is the control's, not a fixed
+    number's (issue 59: an Intel Xeon's gradients 6.6e-4 from one process's failed 1e-5)."""
+    one_process = SimpleNamespace(
+        found={**dict.fromkeys(CHECKS, 0.0), "gradients": gradients, "between ranks": 0.0},
+        rounding={**dict.fromkeys(CHECKS, 0.0), "gradients": rounding}, norms=[2.0])
+    sampled = {"per_rank": 64, "shared_by_rank_0": 0, "distinct": 128}
+    args = SimpleNamespace(bug=None, steps=4, max_norm=1.0, out_dir=tmp_path)
+    failed = report(one_process, sampled, 0.0, SimpleNamespace(world_size=2), args)
+    printed, checks = capsys.readouterr().out, json.loads((tmp_path / "checks.json").read_text())
+    assert failed is not holds and checks["unequal"] == ([] if holds else ["gradients"])
+    bound = TIMES * rounding + ABSOLUTE
+    assert checks["bound"]["gradients"] == bound and checks["rounding"]["gradients"] == rounding
+    assert f"largest difference {gradients:.3g} (rounding {rounding:.3g}, bound {bound:.3g})" \
+        in printed
+    assert printed.splitlines()[-1].startswith("all fixes hold" if holds else (
+        f"error: a fix did not hold: gradients {gradients:.3g} from one process's (bound "
+        f"{bound:.3g})")), printed
 
 
 @pytest.mark.parametrize("bug, nproc", [run for run in RUNS if run[0] in BUGS])
@@ -100,7 +135,7 @@ def test_a_planted_mistake_that_changes_nothing_is_not_diagnosed_as_one(runs):
     own tolerance (issue 43); it must say what it measured, and the run ends 0."""
     proc, checks = runs["clip-never-bites", 2]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert checks["gradients"] < ORDER and checks["unequal"] == []
+    assert checks["gradients"] <= checks["bound"]["gradients"] and checks["unequal"] == []
     assert last_line(proc).startswith("diagnosis: none measured: --bug clip is planted")
     assert "clipping never bit" in last_line(proc)
 
@@ -145,8 +180,10 @@ def test_per_rank_batchnorm_is_not_one_process(runs, nproc):
     """Outputs, gradients, running statistics and weights all differ from one process, and the
     ranks' running statistics differ from each other; the other fixes still hold."""
     proc, checks = runs["batchnorm", nproc]
-    for kind in ("outputs", "gradients", "running statistics", "weights", "between ranks"):
-        assert checks[kind] > WRONG, (kind, checks)
+    for kind in CHECKS:
+        assert checks[kind] > max(WRONG, checks["bound"][kind]), (kind, checks)
+    assert checks["between ranks"] > WRONG, checks
+    assert checks["unequal"] == list(CHECKS)
     assert checks["shared_by_rank_0"] == 0 and checks["reloaded"] == 0.0
     assert "SyncBatchNorm" in last_line(proc)
 
@@ -154,7 +191,8 @@ def test_per_rank_batchnorm_is_not_one_process(runs, nproc):
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_clipping_inside_the_micro_batch_loop_is_not_one_processs_clipped_step(runs, nproc):
     proc, checks = runs["clip", nproc]
-    assert checks["gradients"] > WRONG and checks["weights"] > WRONG, checks
+    for kind in ("gradients", "weights"):
+        assert checks[kind] > max(WRONG, checks["bound"][kind]), (kind, checks)
     assert checks["between ranks"] == 0.0  # BatchNorm is still synchronised
     assert "clip once, after the last backward" in last_line(proc)
 
