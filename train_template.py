@@ -273,10 +273,11 @@ def compare(kind, step, ddp, reference, control, model):
         m, "process_group") for m in model.modules())  # (SyncBatchNorm and ours have one)
     bn = "BatchNorm per rank: use convert_batchnorm (or SyncBatchNorm on GPUs)"
     hint = {"loss": bn if per_rank_bn else "batch_loss depends on how the ranks split the "
-                    "batch: return the loss SUMMED and its count (tokens: not a mean per rank)",
+                    "batch: return the loss SUMMED and its count (tokens: a mean per rank?)",
             "buffers": bn if per_rank_bn else "a buffer updated from this rank's share alone",
-            "gradients": "the loss agreed, its gradients not: a gather without gradient in "
-                         "batch_loss, or clipping inside no_sync?",
+            "gradients": "the loss agreed, its gradients not: batch_loss not SUMMED with its "
+                         "count (tokens: a mean per rank?), a gather without gradient in it, "
+                         "or clipping inside no_sync?",
             "weights": "an optimizer or schedule per rank?"}
     return None if ok else f"{kind} not as in one process at step {step} ({where}): {hint[kind]}"
 

@@ -40,7 +40,8 @@ def build_datasets(args):  # each class a fixed pattern, each sample it plus noi
     n = args.train_samples
     labels = torch.randint(10, (n + args.test_samples,), generator=g)
     patterns = torch.randn(10, 3, 32, 32, generator=g)
-    images = patterns[labels] + 2 * torch.randn(len(labels), 3, 32, 32, generator=g)
+    noise = 2 * torch.randn(len(labels), 3, 32, 32, generator=g)
+    images = (patterns[labels] + noise) / 5 ** 0.5  # normalised, as images are: mean 0, std 1
     return TensorDataset(images[:n], labels[:n]), TensorDataset(images[n:], labels[n:])
 
 

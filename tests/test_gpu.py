@@ -395,7 +395,7 @@ def test_sync_batchnorm_equals_the_hand_written_one(tmp_path):
 
 
 # ------------------------------------------------------ issue 45: the template and a port on GPUs
-TEMPLATE_RUN = ["--epochs", 2, "--checkpoint-every", 5]  # 32 steps of 128 an epoch
+TEMPLATE_RUN = ["--epochs", 2, "--checkpoint-every", 5]  # 42 steps of 96 an epoch
 
 
 def template_run(out, *extra, **kwargs):
@@ -430,7 +430,7 @@ def test_the_template_trains_with_amp_and_compile_on_the_gpu(tmp_path):
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert bool(saved["scaler"]) != torch.cuda.is_bf16_supported(including_emulation=False)
     print(f"\ntemplate --amp --compile on {torch.cuda.get_device_name()}: {accuracy} % "
-          f"(the CPU in float32: 82.42 %)")
+          f"(2 CPU ranks in float32, torch 2.14.1: 83.89 %)")
     assert accuracy > 50
 
 

@@ -390,11 +390,10 @@ CONTRASTIVE = REPO / "examples" / "contrastive.py"
     # a model nobody here wrote (torch's GRU) on lines padded per batch, a token loss: the
     # ranks' and micro-batches' shapes and token counts differ; no collective of its own
     (PADDED, ["--accumulation", "2"], None),
-    (PADDED, ["--loss", "mean"], "loss not as in one process at step 1 (loss): batch_loss "
-     "depends on how the ranks split the batch: return the loss SUMMED and its count (tokens"),
+    (PADDED, ["--loss", "mean"], "SUMMED .* count \\(tokens: a mean per rank\\?\\)"),
     (CONTRASTIVE, ["--accumulation", "2"], None),  # each micro-batch gathered over the ranks
-    (CONTRASTIVE, ["--gather", "plain"], "the loss agreed, its gradients not: a gather without "
-     "gradient in batch_loss")])
+    (CONTRASTIVE, ["--gather", "plain"], r"^diagnosis: gradients not as in one process at step 1"
+     r" .*: the loss agreed, its gradients not: .*a gather without gradient in it")])
 def test_the_token_and_contrastive_ports_pass_check_and_their_naive_variants_fail(
         port, flags, diagnosis, tmp_path):
     proc = launch(torchrun_cmd(2, port, "--check", *flags), cwd=tmp_path, check=False)
@@ -403,4 +402,6 @@ def test_the_token_and_contrastive_ports_pass_check_and_their_naive_variants_fai
     if diagnosis is None:
         assert proc.returncode == 0 and "what one process computes" in last[0], proc.stdout
     else:
-        assert proc.returncode != 0 and diagnosis in last[0], proc.stdout
+        # (--loss mean: the loss at step 1 may agree within rounding, as every rank's mean is
+        # near ln 256 before training; the gradients then differ: either hint names the count)
+        assert proc.returncode != 0 and re.search(diagnosis, last[0]), proc.stdout
