@@ -24,14 +24,21 @@ COMMON = ["--data", "mnist", "--train-samples", TRAIN, "--batch-size", 48]
 # chunks of it; NCCL picks algorithms by size), and 02 sends one message per parameter where DDP
 # sends two buckets: the same numbers, added in other orders, differ in their last bits, and ten
 # momentum steps amplify that. Measured: 159,995 of the 1,199,882 weights differ after ten steps,
-# by at most 3.0e-8 (N ranks vs one process: 7.9e-6, ORDER below); a missing average or a rank
+# by at most 3.0e-8 (N ranks vs one process: 7.9e-6, order_bound below); a missing average or a rank
 # left out differs by more than 1e-3.
 FOUR_RANKS = 1e-6
 # N ranks vs one process: float32 gradient sums in another order differ by ~1e-7 per step, and
 # ten momentum-SGD steps amplify that; measured 0.8e-5 (2 ranks) and 1.4e-5 (3 ranks) while
 # training moved the weights by 0.08. A real sync bug (a missing average, a rank left out)
-# differs by more than 1e-3.
-ORDER = 5e-5
+# differs by more than 1e-3. How much rounding alone gives depends on the CPU's kernels, so the
+# bound is measured where the test runs (issue 59): a control, one process again with its batch
+# in 2 micro-batches (the same gradients, summed in another order), and 10 times its difference
+# from the first, + 1e-6, as train_template.py --check bounds DDP (and never above 1e-3).
+def order_bound(runs) -> float:
+    control = max_difference(rank_params(runs["one_process"]["probe"]),
+                             rank_params(runs["one_process_micro"]["probe"]))
+    assert 0 < control, "the control rounded exactly as the reference: it measured nothing"
+    return min(10 * control + 1e-6, 1e-3)
 
 
 PLAN = {  # name: (script, ranks or None for plain python, extra args)
@@ -40,6 +47,8 @@ PLAN = {  # name: (script, ranks or None for plain python, extra args)
     "four_ranks": ("03_ddp_wrapper.py", 4, ["--epochs", 1, "--no-dropout"]),
     "03": ("03_ddp_wrapper.py", 2, ["--epochs", 2]),  # (its epoch-1 checkpoint is kept)
     "one_process": ("03_ddp_wrapper.py", None, ["--epochs", 1, "--no-dropout", "--quiet"]),
+    "one_process_micro": ("03_ddp_wrapper.py", None, ["--epochs", 1, "--no-dropout", "--quiet",
+                                                      "--max-device-batch", 24]),  # the control
     "two_ranks": ("03_ddp_wrapper.py", 2, ["--epochs", 1, "--no-dropout"]),
     "three_ranks": ("03_ddp_wrapper.py", 3, ["--epochs", 1, "--no-dropout"]),
     "accumulate": ("03_ddp_wrapper.py", 2, ["--epochs", 1, "--no-dropout",
@@ -107,19 +116,21 @@ def test_every_rank_ends_with_identical_weights(runs, name, ranks):
 @pytest.mark.quick
 @pytest.mark.parametrize("name", ["two_ranks", "three_ranks"])
 def test_n_ranks_equal_one_process_with_the_same_global_batch(runs, name):
-    baseline = rank_params(runs["one_process"]["probe"])
-    assert max_difference(baseline, rank_params(runs[name]["probe"])) < ORDER
+    baseline, bound = rank_params(runs["one_process"]["probe"]), order_bound(runs)
+    difference = max_difference(baseline, rank_params(runs[name]["probe"]))
+    print(f"\n{name} vs one process: {difference:.3g} (bound {bound:.3g})")
+    assert difference <= bound
     assert runs[name]["summary"]["per_rank_batch_size"] == 48 // (2 if name == "two_ranks" else 3)
     # The comparison could fail: training moved the weights far beyond the tolerance.
     initial = list(build_model(SimpleNamespace(dropout=False), seed=0).parameters())
-    assert max_difference(baseline, [p.detach() for p in initial]) > 1000 * ORDER / 2
+    assert max_difference(baseline, [p.detach() for p in initial]) > 50 * bound
 
 
 def test_accumulating_micro_batches_equals_one_big_batch(runs):
     summary = runs["accumulate"]["summary"]
     assert (summary["micro_batch_size"], summary["accumulation_steps"]) == (8, 3)
     assert max_difference(rank_params(runs["accumulate"]["probe"]),
-                          rank_params(runs["two_ranks"]["probe"])) < ORDER
+                          rank_params(runs["two_ranks"]["probe"])) <= order_bound(runs)
 
 
 def test_batch_per_rank_grows_the_global_batch_and_scales_the_learning_rate(runs):
@@ -153,7 +164,7 @@ def test_compiled_ddp_learns_like_eager_ddp(runs):
     compiled = runs["compiled"]
     assert "compile=on" in compiled["stdout"], compiled["stdout"]
     assert max_difference(rank_params(compiled["probe"]),
-                          rank_params(runs["two_ranks"]["probe"])) < ORDER
+                          rank_params(runs["two_ranks"]["probe"])) <= order_bound(runs)
     assert compiled["summary"]["first_step_seconds"] > 0  # the compile, reported on its own
 
 
