@@ -5,7 +5,8 @@
 
 Each step runs the way you would run it yourself (plain python, or torchrun with 2 processes:
 2 CPU processes, or 2 GPUs when there are; on one GPU a world of one, but 11, which compares
-ranks, on 2 CPU processes) for one short epoch, and you see its own output as it goes. The
+ranks, on 2 CPU processes; 12 always on 2 CPU processes) for one short epoch, and you see its
+own output as it goes. The
 table at the end comes from the steps' own runs/tour/<step>/summary.json files: what each step
 adds, its world size, test accuracy and samples/s, and the diff to read next. Step
 04 compiles (once, 15-25 s on a CPU); every other step runs eagerly (`--no-compile` for the
@@ -33,8 +34,13 @@ from harness import versions
 from harness.flags import SAMPLES_LIMIT  # the steps' own bound on --train-samples
 
 REPO = Path(__file__).resolve().parent
-NO_SUMMARY = {"01_torch_dist_allreduce.py", "10_debugging.py", "11_your_model.py"}  # no summary.json
-TWO_RANKS_AT_LEAST = {"11_your_model.py"}  # it compares N ranks with one process: N >= 2
+NO_SUMMARY = {"01_torch_dist_allreduce.py", "10_debugging.py", "11_your_model.py",
+              "12_what_to_reduce.py"}  # no summary.json
+# They compare N ranks with one process: N >= 2.
+TWO_RANKS_AT_LEAST = {"11_your_model.py", "12_what_to_reduce.py"}
+# Steps with flags of their own (none of the training flags the tour gives the others); 12 also
+# computes on CPU processes on any machine, and takes no --device.
+OWN_FLAGS = {"01_torch_dist_allreduce.py", "12_what_to_reduce.py"}
 # file, runs on 2 processes?, the idea it adds, what to read next, extra arguments
 STEPS = [
     ("00_single_gpu.py", False, "baseline: train and evaluate on one device",
@@ -65,6 +71,8 @@ STEPS = [
      "read 10_debugging.py whole; then --bug skip", ["--fix"]),
     ("11_your_model.py", True, "side trip: six mistakes of your own model, fixed",
      "read 11_your_model.py whole; then --bug unused", ["--fix", "--steps", "2"]),
+    ("12_what_to_reduce.py", True, "side trip: what to reduce when shares are unequal",
+     "read 12_what_to_reduce.py whole; then --bug tokens", ["--fix"]),
 ]
 
 
@@ -81,9 +89,9 @@ def step_id(script: str) -> str:
 def placement(script: str, processes: int) -> tuple[int, list]:
     """The processes a distributed step gets and the flags that place it: the tour's own, but
     2 CPU processes for a step that needs two ranks where there is one GPU (NCCL refuses two
-    ranks on one GPU)."""
+    ranks on one GPU; 12 is on the CPU anyway)."""
     if script in TWO_RANKS_AT_LEAST and processes < 2:
-        return 2, ["--device", "cpu"]
+        return 2, [] if script in OWN_FLAGS else ["--device", "cpu"]
     return processes, []
 
 
@@ -162,7 +170,7 @@ def main():
     for script, distributed, idea, next_read, extra in STEPS:
         out = args.out_dir / Path(script).stem
         step_args = list(extra)
-        if script != "01_torch_dist_allreduce.py":
+        if script not in OWN_FLAGS:
             step_args += [*shared, "--out-dir", str(out)]
         if script == "06_streaming_h5.py":
             step_args += ["--h5", str(out / "digits.h5")]  # prepared from the same samples
@@ -193,7 +201,7 @@ def print_table(rows, seconds: float) -> None:
     print(f"{'step':<5}{'the idea it adds':<52}{'world':>5}{'test acc':>10}{'samples/s':>11}"
           f"   read next")
     for script, idea, next_read, summary, processes in rows:
-        if summary is None:  # no summary.json (01, 10, 11): its world is the processes started
+        if summary is None:  # no summary.json (01, 10-12): its world is the processes started
             world, accuracy, rate = str(processes), "-", "-"
         elif isinstance(summary, str):  # this torch is too old for the step: it said which
             print(f"{step_id(script):<5}{idea:<52}{summary:>26}   (skipped)")

@@ -255,7 +255,8 @@ def test_the_tour_runs_on_the_gpus(mnist_root, tmp_path):
     table = proc.stdout.split("=== the tour")[1]
     print(f"=== the tour{table}")  # (-s shows it: the steps' accuracies and samples/s on this GPU)
     worlds = dict(re.findall(r"^(\d\d[a-z]?)\s+.+?\s+(\d+)\s+\S+\s+\S+   .+$", table, re.M))
-    assert worlds.pop("00") == "1" and worlds.pop("11") == "2", table
+    # (12 runs on 2 CPU processes wherever it runs: gloo's timeout ends its planted hang)
+    assert worlds.pop("00") == "1" and worlds.pop("11") == "2" and worlds.pop("12") == "2", table
     assert set(worlds.values()) == {str(RANKS)}, table
     eleven = proc.stdout.split("\n=== 11:")[1]
     assert f"11_your_model.py: device={'cpu' if RANKS == 1 else 'cuda:0'}" in eleven, eleven

@@ -44,8 +44,8 @@ def test_the_tour_runs_every_step_and_ends_with_one_table(tmp_path):
     assert [row[0] for row in rows] == [tour.step_id(script) for script in scripts], table
     for script, (step, idea, world, accuracy, rate, read_next) in zip(scripts, rows):
         assert read_next.startswith(("diff -u", "read ")), read_next
-        if step in ("01", "10", "11"):  # side trips with no summary: collectives, planted
-            # hangs, planted mistakes of your own model
+        if step in ("01", "10", "11", "12"):  # side trips with no summary: collectives, planted
+            # hangs, planted mistakes of your own model, what to reduce
             assert (accuracy, rate) == ("-", "-")
             continue
         # The table's numbers are the step's own summary.json.
@@ -65,7 +65,7 @@ def test_the_tour_runs_every_step_and_ends_with_one_table(tmp_path):
         else:
             assert quoted[3] == printed[3], (sample, table)
     quoted = [line for line in sample.splitlines()  # no timing or host name in them
-              if line.startswith(("  bucket ", "FSDP2: ", "rank ", "DDP's "))]
+              if line.startswith(("  bucket ", "FSDP2: ", "rank ", "DDP's ", "all four hold: "))]
     missing = [line for line in quoted if line not in proc.stdout]
     epochs = re.findall(EPOCH, sample, re.M)
     printed = re.findall(EPOCH, proc.stdout, re.M)
@@ -96,9 +96,11 @@ def test_a_step_without_a_summary_shows_the_processes_the_tour_started(capsys):
 
 def test_a_step_that_compares_ranks_gets_two_cpu_processes_where_there_is_one_gpu():
     """11 refuses a world of one and NCCL two ranks on one GPU: on one GPU the tour runs 11 on
-    2 CPU processes and every other step on the GPU (tests/test_gpu.py runs it there)."""
+    2 CPU processes and every other step on the GPU (tests/test_gpu.py runs it there). 12 also
+    needs two ranks, and computes on the CPU anyway: it takes no --device."""
     assert tour.placement("11_your_model.py", 1) == (2, ["--device", "cpu"])
     assert tour.placement("11_your_model.py", 2) == (2, [])
+    assert tour.placement("12_what_to_reduce.py", 1) == (2, [])
     assert tour.placement("10_debugging.py", 1) == (1, [])
     assert tour.placement("03_ddp_wrapper.py", 1) == (1, [])
 
