@@ -297,9 +297,11 @@ def test_the_transformer_port_resumes_to_the_same_weights_after_kill_9(tmp_path)
 
 
 RESNET = REPO / "examples" / "resnet18_digits.py"
-# 8 steps of 32 digits at 3x32x32: a checkpoint every 2, so a kill lands mid-epoch
-RESNET_RUN = ["--train-samples", "256", "--test-samples", "64", "--batch-size", "32",
+# 4 steps of 32 images at 3x32x32: a checkpoint every 2, so a kill lands mid-epoch; --check
+# takes its 3 steps from 256 samples
+RESNET_RUN = ["--train-samples", "128", "--test-samples", "64", "--batch-size", "32",
               "--epochs", "1", "--checkpoint-every", "2"]
+RESNET_CHECK = ["--train-samples", "256", "--test-samples", "64"]
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -311,14 +313,15 @@ def test_the_resnet18_port_passes_check_with_synchronised_batchnorm(nproc, tmp_p
         for source in (RESNET, REPO / TEMPLATE):
             (tmp_path / source.name).write_text(source.read_text())
     port = tmp_path / RESNET.name if nproc == 2 else RESNET
-    proc = launch(torchrun_cmd(nproc, port, "--check", *RESNET_RUN[:4], "--batch-size",
+    proc = launch(torchrun_cmd(nproc, port, "--check", *RESNET_CHECK, "--batch-size",
                                16 * nproc), cwd=tmp_path)
     assert "check step 1, buffers: off by" in proc.stdout, proc.stdout  # BatchNorm's, compared
     assert f"diagnosis: DDP on {nproc} ranks computes what one process computes" in proc.stdout
 
 
 def test_the_resnet18_port_with_plain_batchnorm_fails_check(tmp_path):
-    proc = launch(torchrun_cmd(2, RESNET, "--check", "--bn", "plain", *RESNET_RUN[:6]),
+    proc = launch(torchrun_cmd(2, RESNET, "--check", "--bn", "plain", *RESNET_CHECK,
+                               "--batch-size", "32"),
                   cwd=tmp_path, check=False)
     assert proc.returncode != 0, proc.stdout
     last = [line for line in proc.stdout.splitlines() if line.startswith("diagnosis:")]
@@ -358,7 +361,7 @@ def test_the_resnet18_port_with_plain_batchnorm_prints_the_saved_models_test_los
                   cwd=tmp_path)
     printed = float(re.search(r"test loss (\d+\.\d+)", proc.stdout).group(1))
     port = resnet18_port()
-    args = argparse.Namespace(train_samples=256, test_samples=64, bn="plain")
+    args = argparse.Namespace(train_samples=128, test_samples=64, bn="plain")
     images, labels = port.build_datasets(args)[1].tensors
     model = port.build_model(args)
     model.load_state_dict(weights(out, epochs=1))
