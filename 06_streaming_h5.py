@@ -275,9 +275,9 @@ def main():
                                          progress)
             samples_per_sec = progress.end_epoch()
             lr = scheduler.last_step_lr()  # the rate the epoch ended with
-            # The raw model, not DDP: DDP's forward broadcasts the module's buffers (BatchNorm's
-            # statistics; this CNN has none) from rank 0, and test shards can differ in size,
-            # so a rank with one batch more would wait in a broadcast no peer joins.
+            # The raw model, not DDP: evaluating needs nothing DDP adds, and DDP's first forward
+            # after training broadcasts rank 0's buffers (BatchNorm's; this CNN has none), which
+            # a rank without a test batch would never join (torch 2.14.1's _pre_forward).
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
