@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 from pathlib import Path
 
 import torch
@@ -113,6 +114,20 @@ def remove_dead_temporaries(path: Path) -> None:
         pid = tmp.name[len(prefix):].split(".")[0]
         if pid.isdigit() and not process_exists(int(pid)):
             discard(tmp)  # (a link is removed, never what it points to)
+
+
+def foreign(path: Path) -> str | None:
+    """What a run never makes at `path` and must not write through, in a line (None: nothing,
+    a plain file of one name, or a symbolic link, which O_NOFOLLOW refuses where it is opened).
+    O_NOFOLLOW stops no hard link (a second name of someone's file), and opening a FIFO waits
+    for a writer."""
+    found = os.lstat(path) if os.path.lexists(path) else None
+    if found is None or stat.S_ISLNK(found.st_mode) or (stat.S_ISREG(found.st_mode)
+                                                         and found.st_nlink == 1):
+        return None
+    kind = "a hard link (a second name of another file)" if stat.S_ISREG(found.st_mode) else \
+        "not a plain file (a FIFO, a device)"
+    return f"{path} is {kind}; not writing through it. Remove it (a run makes it a plain file)"
 
 
 def process_exists(pid: int) -> bool:

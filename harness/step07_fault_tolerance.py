@@ -173,7 +173,8 @@ def claim_out_dir(out_dir: Path, run) -> None:
     if run.is_main:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            holder = lock_for_life(out_dir / ".lock")
+            problem = checkpoint.foreign(out_dir / ".lock")  # a hard link, a FIFO: refused
+            holder = None if problem else lock_for_life(out_dir / ".lock")
         except OSError as err:
             if err.errno == errno.ELOOP:  # a symbolic link: never written through
                 problem = (f"{out_dir / '.lock'} is a symbolic link; not writing through it. "
@@ -205,7 +206,7 @@ def lock_for_life(path: Path) -> str | None:
     import fcntl  # (POSIX)
     global _out_dir_lock
     nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT | nofollow, 0o644)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NONBLOCK | nofollow, 0o644)  # (FIFO)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

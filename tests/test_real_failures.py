@@ -417,6 +417,30 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path
     assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no checkpoint, no summary
 
 
+@pytest.mark.parametrize("kind", ["hard link", "FIFO"])
+def test_a_lock_file_that_is_a_hard_link_or_a_fifo_is_refused_without_waiting(tmp_path, kind):
+    """O_NOFOLLOW stops symbolic links only: a hard link named .lock (a second name of a
+    user's file) was overwritten with "process N on vm", and a FIFO named .lock hung the step
+    in open() with no word (issue 60). Both are one line now, before any work."""
+    target = victim(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    if kind == "hard link":
+        os.link(target, out / ".lock")
+    else:
+        os.mkfifo(out / ".lock")
+    proc = run_step("03_ddp_wrapper.py", [*SMALL_RUN, "--out-dir", out], check=False,
+                    timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_no_traceback(proc)
+    what = ("a hard link (a second name of another file)" if kind == "hard link" else
+            "not a plain file (a FIFO, a device)")
+    assert error_lines(proc) == [f"error: {out / '.lock'} is {what}; not writing through it. "
+                                 f"Remove it (a run makes it a plain file)"]
+    assert target.read_bytes() == VICTIM
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no checkpoint, no summary
+
+
 def test_a_link_planted_at_the_temporary_name_is_not_written_through(tmp_path):
     """The temporary file of a save was `.<name>.<host>.<pid>.tmp`, and the pid is the one that
     <out-dir>/.lock prints: a link planted under that name before the save made the checkpoint
