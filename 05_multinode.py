@@ -174,7 +174,7 @@ def main():
             lr = scheduler.last_step_lr()  # the rate the epoch ended with
             # The raw model, not DDP: evaluating needs nothing DDP adds, and DDP's first forward
             # after training broadcasts rank 0's buffers (BatchNorm's; this CNN has none), which
-            # a rank without a test batch would never join (torch 2.14.1's _pre_forward).
+            # a rank without a test batch would never join (_pre_forward, torch 2.8-2.14.1).
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:

@@ -167,18 +167,17 @@ def train_step(model, batches, optimizer, scheduler, scaler, amp, max_norm):
                       f" (a branch this rank did not use): --find-unused-parameters", flush=True)
                 os._exit(3)  # (its peers fail at once, instead of waiting on this rank)
         dist.all_reduce(totals)  # (DDP averaged the gradients: times world size)
-    if not torch.isfinite(totals[0]):  # before the update: the weights stay as they were
-        raise FloatingPointError(f"the loss is {totals[0].item()}")
     scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
-    scale = dist.get_world_size() / max(totals[1].item(), 1) if isinstance(model, DDP) else \
-        1 / max(totals[1].item(), 1)  # the mean over every rank's samples (or tokens)
-    for p in model.parameters():
-        if p.grad is not None:
+    scale = (dist.get_world_size() if isinstance(model, DDP) else 1) / totals[1].clamp(min=1)
+    for p in model.parameters():  # the mean over every rank's samples (or tokens): (a tensor,
+        if p.grad is not None:  # not .item(): no wait for the GPU)
             p.grad.mul_(scale)
     # after the last backward: the averaged gradients, the same on every rank (0: no clipping)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
-    if not (torch.isfinite(norm) or scaler.is_enabled()):  # (fp16: the scaler skips the step)
-        raise FloatingPointError(f"the gradients' norm is {norm.item()}")
+    if not torch.isfinite(totals[0] if scaler.is_enabled() else totals[0] + norm):  # (fp16:
+        loss, norm = totals[0].item(), norm.item()  # the scaler skips an inf norm's step)
+        raise FloatingPointError(f"the loss is {loss}" if not math.isfinite(loss) else
+                                 f"the gradients' norm is {norm}")  # (before the update)
     scaler.step(optimizer)
     scaler.update()
     scheduler.step()
@@ -363,9 +362,10 @@ def main():
                                amp, args.max_norm)
             step += 1
             votes = torch.tensor(float(bool(stop)), device=device)
-            if (epoch * steps + step) % VOTE_EVERY == 0 or step == steps:  # (a vote waits
-                dist.all_reduce(votes)  # for the GPU): any rank asked, all stop at one step
-            stopping = votes.item() > 0
+            voting = (epoch * steps + step) % VOTE_EVERY == 0 or step == steps  # (a vote
+            if voting:  # waits for the GPU): any rank asked, all stop at one step
+                dist.all_reduce(votes)
+            stopping = voting and votes.item() > 0
             if step < steps and (stopping or step % args.checkpoint_every == 0):
                 checkpoint(epoch, step)
             if stopping and step < steps:
