@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
 
-from . import twins
+from . import around
 # The signal watchdog and the one-line reports live in their own modules; their names are
 # imported here too, where the rest of the harness and the tests have always found them.
 from .peers import (STORE_PREFIX, PeerFailure, failed_peers, launcher_rank,  # noqa: F401
@@ -43,20 +43,25 @@ def run_main(main) -> None:
     - A collective that failed because a peer died or stalled (gloo raises; see
       explain_collective_failure): exit 3, printed by the rank that noticed.
     - Anything else is a bug: its traceback, exit 1.
-    Whatever ended main() early, this process's own children (DataLoader workers) end with it:
-    step 07's workers ignore SIGTERM, and Python's exit would wait for them forever.
-    If main() failed before its own `dist.destroy_process_group()`, the group is torn down
-    here, after its objects are gone: destroying a gloo group that a DDP model still holds
-    has been seen to abort the process.
+    Whatever ended main() early, its DataLoader workers end with it (07's ignore SIGTERM), and
+    the group is torn down after main()'s objects are gone (a gloo group that a DDP model still
+    holds has been seen to abort the process when destroyed).
     """
     watch_signals()
     code, torn_down_cleanly = 0, True
     try:
         check_torch_variables()
-        twins.take_in(main)  # in the repository: the checked twins of the step's own functions
-        main()
+        with around.around(main):  # the step's own checks, before and after (never in place)
+            main()
     except BaseException as err:  # noqa: BLE001 -- sorted below; the rest is re-raised
-        signals_end_the_process()  # from here on, a Ctrl-C or SIGTERM ends it within GRACE_S
+        try:  # from here on, a Ctrl-C or SIGTERM ends it within GRACE_S
+            signals_end_the_process()
+        except (KeyboardInterrupt, Interrupted) as pending:  # a signal that came while main()
+            try:  # waited in C (a gloo collective: no signal interrupts it), its handler run at
+                signals_end_the_process()  # this first call (Python's next): it ended the run
+            except (KeyboardInterrupt, Interrupted):  # (a second kind pending: the first counts)
+                pass
+            err = err if isinstance(err, (KeyboardInterrupt, Interrupted)) else pending
         end_child_processes()
         err = signal_behind(err)
         code = exit_code(err)

@@ -45,7 +45,7 @@ class Parser(common.Parser):
         two flags (the learning-rate scaling)."""
         for action in self._actions:
             checked = [CHECKED[o] for o in action.option_strings if o in CHECKED]
-            if checked and action.type in (int, float, Path):  # (a step's own checked type stays)
+            if checked and action.type in (int, float, Path, common.whole):  # (a step's own checked type stays)
                 action.type = checked[0]
         args = argparse.ArgumentParser.parse_args(self, args, namespace)
         check_launcher_variables(self)

@@ -1,6 +1,6 @@
 """Start-up, checked: the process group with a check-in that names the ranks that never came
-(in place of common.setup_distributed), and the choice to compile with the tools it needs
-checked first (in place of common.compile_choice).
+(around torch's init_process_group, which every step's setup calls), and the choice to compile
+with the tools it needs checked first (in place of common.compile_choice).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import common
 from common import UserError, log
@@ -18,23 +19,19 @@ from common import UserError, log
 from .ranks import join_group
 
 
-def setup_distributed(args) -> common.Run:
-    """Join the process group, as step 02's setup() writes out (steps 04 on call this)."""
-    rank = int(os.environ.get("RANK", 0))  # 0 .. world_size-1
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # which process on this machine
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # plain python: a world of one
-    os.environ.setdefault("MASTER_PORT", "0")
-    device = common.choose_device(args.device, local_rank, local_ranks)
-    common.set_deterministic(args.deterministic)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts on it
-    # init_process_group, plus a check-in that names the ranks that never came (see ranks.py)
-    join_group(backend, rank, world_size, args.timeout,
-               device_id=device if device.type == "cuda" else None)
-    return common.Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
+TORCH_INIT_PROCESS_GROUP = dist.init_process_group  # (harness/__init__.py puts ours in place)
+
+
+def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
+                       store=None, **kwargs):
+    """torch's init_process_group, as the steps call it (env://: torchrun's or srun's variables),
+    with a check-in that names the ranks that never came (ranks.join_group). Around the step's
+    own setup, never in place of it: any other call goes to torch's unchanged."""
+    if store is not None or init_method not in (None, "env://") or world_size < 0 or rank < 0:
+        return TORCH_INIT_PROCESS_GROUP(backend, init_method, timeout, world_size, rank, store,
+                                        **kwargs)
+    join_group(backend, rank, world_size, (timeout or dist.default_pg_timeout).total_seconds(),
+               **kwargs)
 
 
 def compile_choice(args, run: common.Run) -> bool:

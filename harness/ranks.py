@@ -16,8 +16,7 @@ import torch.distributed as dist
 from .errors import STORE_PREFIX, PeerFailure, remember_store
 
 
-def join_group(backend: str, rank: int, world_size: int, timeout_s: float,
-               device_id=None) -> None:
+def join_group(backend: str, rank: int, world_size: int, timeout_s: float, **kwargs) -> None:
     """`dist.init_process_group`, with a check-in that names the ranks that never came.
 
     The store is the one init_process_group would make from the launcher's variables (env://);
@@ -42,7 +41,7 @@ def join_group(backend: str, rank: int, world_size: int, timeout_s: float,
     store.set(f"{STORE_PREFIX}/joined/{rank}", socket.gethostname())
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout, device_id=device_id)
+                                timeout=timeout, **kwargs)
     except RuntimeError:
         try:
             missing = [r for r in range(world_size)
