@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -68,6 +69,14 @@ def log(run, message: str) -> None:
     """Print from rank 0 only: N ranks printing the same line is noise."""
     if run.is_main:
         print(message, flush=True)
+
+
+def leave_at_once(code: int) -> None:
+    """End this process now with exit code `code`, skipping Python's teardown: a process group
+    whose collective failed cannot be destroyed cleanly (steps 10 and 12)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---------------------------------------------------------------- who and where
@@ -288,22 +297,105 @@ class Digits(Dataset):
         return list(zip(images.unsqueeze(1), self.labels[indices]))
 
 
+def _arc(cx, cy, rx, ry, start, stop, n):
+    """n+1 points on an elliptical arc (degrees; 0 = right, 90 = down), rounded so the table
+    is the same whatever libm computed cos and sin."""
+    angles = [math.radians(start + (stop - start) * i / n) for i in range(n + 1)]
+    return [(round(cx + rx * math.cos(a), 4), round(cy + ry * math.sin(a), 4)) for a in angles]
+
+
+DIGIT_STROKES = [  # a pen path per digit: 1-2 polylines in a unit box (y downwards)
+    [_arc(.5, .5, .3, .5, 0, 360, 12)], [[(.3, .2), (.55, 0), (.55, 1)]],
+    [_arc(.5, .28, .28, .28, 170, 400, 6) + [(.2, 1), (.82, 1)]],
+    [_arc(.47, .25, .26, .25, 200, 450, 6) + _arc(.47, .75, .3, .25, 270, 520, 6)],
+    [[(.62, 0), (.18, .66), (.85, .66)], [(.64, .35), (.64, 1)]],
+    [[(.78, 0), (.3, 0), (.26, .44)] + _arc(.5, .7, .3, .3, 235, 510, 7)],
+    [[(.7, 0), (.38, .3)] + _arc(.5, .72, .26, .28, 200, -160, 9)], [[(.18, 0), (.82, 0), (.4, 1)]],
+    [_arc(.5, .24, .22, .24, 90, 450, 8), _arc(.5, .73, .27, .27, -90, 270, 8)],
+    [_arc(.5, .3, .26, .3, 0, 360, 9) + [(.72, 1)]]]
+
+
+def _segment_distance(px, py, x0, y0, x1, y1):
+    """Distance from points (px, py) to segments (x0, y0)-(x1, y1); all arguments broadcast."""
+    ux, uy, ax, ay = x1 - x0, y1 - y0, px - x0, py - y0
+    t = ((ax * ux + ay * uy) / (ux * ux + uy * uy).clamp_min(1e-9)).clamp(0, 1)
+    return ((ax - t * ux) ** 2 + (ay - t * uy) ** 2).sqrt()
+
+
+def synthetic_digits(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offline MNIST stand-ins, drawn like handwriting: each digit's pen path through a random
+    shift, scale, shear, bend and rotation, inked at a random width, 30 % with a stray stroke.
+    uint8 [count, 28, 28] and labels; chunks of 250 seeded from (seed, chunk), so the first k
+    of any call are a call with count=k. Only rand and + - * / sqrt: the same bits on any CPU."""
+    grid, lo, cell = 64, -0.5, 2 / 63  # each digit's distance to its path, on a 64 x 64 grid
+    g64 = lo + cell * torch.arange(grid)
+    field = torch.stack([_segment_distance(g64, g64[:, None], *torch.tensor(
+        [(*p, *q) for line in strokes for p, q in zip(line, line[1:])]).T[..., None, None]
+    ).amin(0) for strokes in DIGIT_STROKES]).flatten()
+    chunk, images, labels, pix = 250, [], [], torch.arange(28.0)
+    for c in range(0, count, chunk):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + c // chunk)
+
+        def uniform(lo, hi, *shape):  # by default one value per sample: [n, 1, 1]
+            return lo + (hi - lo) * torch.rand(shape or (chunk, 1, 1), generator=g)
+        y = torch.randint(0, 10, (chunk,), generator=g)
+        size = uniform(17, 22)  # pixel -> unit box: shift, scale (x narrower), shear, bend
+        x = (pix - uniform(11.5, 15.5)) / (size * uniform(.75, 1.05))
+        z = (pix[:, None] - uniform(11.5, 15.5)) / size
+        x = x + uniform(-.3, .3) * z
+        x, z = x + uniform(-.4, .4) * z * z, z + uniform(-.4, .4) * x * x
+        t = uniform(-.13, .13)  # a rotation by up to ~15 degrees, from t = tan(angle / 2)
+        cos, sin = (1 - t * t) / (1 + t * t), 2 * t / (1 + t * t)
+        u, v = (cos * x - sin * z + .5 - lo) / cell, (sin * x + cos * z + .5 - lo) / cell
+        u, v = u.clamp(0, grid - 1.001), v.clamp(0, grid - 1.001)  # bilinear lookup
+        iu, iv = u.floor(), v.floor()
+        fu, fv = u - iu, v - iv
+        i = ((y[:, None, None] * grid + iv) * grid + iu).long()
+        d00, d01, d10, d11 = (field.take(i + o) for o in (0, 1, grid, grid + 1))
+        dist = ((d00 + fu * (d01 - d00)) * (1 - fv) + (d10 + fu * (d11 - d10)) * fv) * size
+        stray = uniform(0, 1) < 0.3  # else parked far off the canvas
+        sx, sy = uniform(0, 28).where(stray, -1e3), uniform(0, 28).where(stray, -1e3)
+        dist = dist.minimum(_segment_distance(pix, pix[:, None], sx, sy,
+                                              sx + uniform(-8, 8), sy + uniform(-8, 8)))
+        radius, soft, bright = uniform(.6, 1.8), uniform(.8, 1.6), uniform(.7, 1)
+        ink = ((radius - dist) / soft + 0.5).clamp(0, 1) * bright
+        ink = (ink + uniform(0, .15, chunk, 28, 28) * uniform(0, 1)).clamp(0, 1)  # background
+        images.append((ink * 255).round().to(torch.uint8))
+        labels.append(y)
+    return torch.cat(images)[:count], torch.cat(labels)[:count]
+
+
 def load_datasets(args, run, download: bool) -> tuple[Digits, Digits]:
-    """(train, test): MNIST in --data-dir through torchvision's reader (downloaded there by the
-    processes given download=True while the others wait), cut to --train/--test-samples.
-    (--data synthetic, and MNIST's absence with --data auto, need the repository's harness.)"""
+    """(train, test), cut to --train/--test-samples: MNIST in --data-dir through torchvision's
+    reader (downloaded there by the processes given download=True while the others wait), or
+    the synthetic digits above: --data synthetic, or --data auto where MNIST cannot be had."""
     from torchvision.datasets import MNIST  # imported here: torchvision takes ~3 s to import
 
-    if args.data == "synthetic":
-        raise UserError("--data synthetic is drawn by the repository's harness/; use MNIST")
+    why, sets = None, None
     try:
-        for train in (True, False) if download else ():
+        for train in (True, False) if download and args.data != "synthetic" else ():
             MNIST(args.data_dir, train=train, download=True)  # (nothing, if the files are there)
     except Exception as err:  # noqa: BLE001 -- offline, a mirror down, a full disk ...
-        raise UserError(f"MNIST is not in {args.data_dir} and its download failed ({err})")
+        why = err
     if dist.is_initialized():
         dist.barrier()  # the others read only once the files are complete
-    train, test = (MNIST(args.data_dir, train=train) for train in (True, False))
+    if args.data != "synthetic":
+        try:
+            sets = [MNIST(args.data_dir, train=train) for train in (True, False)]
+        except RuntimeError as err:  # "Dataset not found"
+            why = why or err
+    found = torch.tensor(float(sets is not None), device=run.device)
+    if dist.is_initialized():  # every rank trains on the same data, or none trains
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    if not found and args.data == "mnist":
+        raise UserError(f"MNIST is not in {args.data_dir} and could not be had ({why})")
+    if not found and args.data == "auto":
+        log(run, f"warning: MNIST not in {args.data_dir / 'MNIST' / 'raw'} and not downloadable"
+                 f"; using built-in synthetic digits (--data synthetic to silence this)")
+    if not found:
+        return (Digits(*synthetic_digits(args.train_samples or 60_000, seed=1)),
+                Digits(*synthetic_digits(args.test_samples or 10_000, seed=2)))
+    train, test = sets
     return (Digits(train.data[:args.train_samples], train.targets[:args.train_samples]),
             Digits(test.data[:args.test_samples], test.targets[:args.test_samples]))
 
@@ -347,7 +439,44 @@ def build_model(args, seed: int) -> Net:
         return Net(dropout=args.dropout, width=getattr(args, "width", 1))
 
 
+# ---------------------------------------------------------------- 06's file
+def write_h5(path: Path, train_set: Digits, test_set: Digits, chunk: int, compression) -> None:
+    """Both sets as uint8 in chunks with a checksum each (fletcher32), built in memory (on a full
+    disk HDF5 crashed closing the file), then renamed into place whole: never half a file."""
+    import io, h5py  # noqa: E401 -- here: only step 06 needs h5py
+    image = io.BytesIO()
+    with h5py.File(image, "w") as f:
+        f.attrs.update(mean=MNIST_MEAN, std=MNIST_STD)
+        for name, digits in [("train", train_set), ("test", test_set)]:
+            for part, data in [("images", digits.images), ("labels", digits.labels)]:
+                f.create_dataset(f"{name}/{part}", data=data.numpy(), compression=compression,
+                                 chunks=(min(chunk, len(data)), *data.shape[1:]), fletcher32=True)
+            f[name].attrs.update(count=len(digits), shape=(28, 28))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_atomically(path, lambda temporary: temporary.write_bytes(image.getbuffer()))
+
+
+def open_h5(args) -> tuple[int, int, Digits]:
+    """(training samples to use, chunk size, the test set in memory) from write_h5's file."""
+    import h5py
+    try:
+        with h5py.File(args.h5, "r") as f:
+            test = Digits(torch.from_numpy(f["test/images"][:args.test_samples]),
+                          torch.from_numpy(f["test/labels"][:args.test_samples]).long())
+            return args.train_samples or len(f["train/labels"]), f["train/images"].chunks[0], test
+    except (OSError, KeyError, ValueError, TypeError) as err:  # one line; h5py runs nothing read
+        raise UserError(f"{args.h5} is not a readable digits file ({err}); delete it to prepare "
+                        f"it again") from None
+
+
 # ---------------------------------------------------------------- the flags
+def whole(text: str) -> int:
+    """A count of at least 1 (an argparse type): 0 epochs or 0 samples are refused, not run."""
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text}")
+    return int(text)
+
+
 class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         args = super().parse_args(args, namespace)
@@ -364,16 +493,16 @@ def parser(doc: str, script: str, cls=Parser) -> argparse.ArgumentParser:
     add("--data", choices=["auto", "mnist", "synthetic"], default="auto",
         help="auto: MNIST if present or downloadable, else built-in synthetic digits")
     add("--data-dir", type=Path, default=Path("data"))
-    add("--train-samples", type=int, metavar="N", help="only the first N training samples")
-    add("--test-samples", type=int, metavar="N", help="only the first N test samples")
+    add("--train-samples", type=whole, metavar="N", help="only the first N training samples")
+    add("--test-samples", type=whole, metavar="N", help="only the first N test samples")
     add("--num-workers", type=int, metavar="N", help="DataLoader workers per rank (default 0)")
-    add("--epochs", type=int, default=2)
+    add("--epochs", type=whole, default=2)
     batch = p.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=int, default=256,
+    batch.add_argument("--batch-size", type=whole, default=256,
                        help="GLOBAL batch: samples per optimizer step, summed over all ranks")
-    batch.add_argument("--batch-per-rank", type=int, metavar="B",
+    batch.add_argument("--batch-per-rank", type=whole, metavar="B",
                        help="instead: B samples per rank per step (a global B x world size)")
-    add("--max-device-batch", type=int, metavar="M",
+    add("--max-device-batch", type=whole, metavar="M",
         help="most samples one device takes at once; more run as accumulated micro-batches")
     add("--lr", type=float, default=0.05, help="learning rate (for one rank's B with "
         "--batch-per-rank)")
@@ -439,7 +568,8 @@ class Progress:
         self.started, self.timing = self._now(), False
 
     def step(self, loss_sum: torch.Tensor, samples: int, samples_so_far: int) -> None:
-        """After every optimizer step, on every rank."""
+        """After every optimizer step, on every rank: `loss_sum` is the epoch's running sum on
+        this rank, `samples` this step's, `samples_so_far` the epoch's on this rank."""
         self.step_index += 1
         if not self.timing:  # the clock starts after the epoch's first step
             now = self._now()
@@ -448,6 +578,12 @@ class Progress:
             self.started, self.timing = now, True
         else:
             self.epoch_samples += samples
+        done, total = self.step_index, self.steps_per_epoch  # a line per tenth of the epoch
+        if self.run.is_main and not self.args.quiet and self.epoch_samples and done < total and (
+                done % math.ceil(total / 10) == 0):  # (.item() waits for the device: rarely)
+            rate = self.epoch_samples * self.run.world_size / max(self._now() - self.started, 1e-9)
+            print(f"epoch {self.epoch + 1}: step {done}/{total} ({100 * done / total:.0f}%), "
+                  f"{rate:,.0f} samples/s, loss {loss_sum.item() / samples_so_far:.4f}", flush=True)
         if self.args.profile:
             self.profiler.step()
 
@@ -521,10 +657,17 @@ class Metrics:
 
 
 def save_atomically(path: Path, write) -> None:
-    """write(temporary path), then rename it over `path`: a crash mid-write keeps the old file."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(temporary)
-    os.replace(temporary, path)
+    """write(temporary path), then rename it over `path`: a crash mid-write keeps the old file.
+    The temporary file is made new under a random name (mkstemp), so no link planted at a name
+    we would use can send the write elsewhere; os.replace renames, it follows no link."""
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        write(Path(temporary))
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
@@ -580,9 +723,7 @@ EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # steps done, and thei
 
 
 class ResumableSampler(DistributedSampler):
-    """As in step 07: the same seed and epoch give the same order, so skipping the `skip`
-    samples a checkpoint covers skips exactly those already trained."""
-
+    """As in step 07: skips the `skip` samples (of the same order) that a checkpoint covers."""
     skip = 0
 
     def __iter__(self):
@@ -592,38 +733,48 @@ class ResumableSampler(DistributedSampler):
         return super().__len__() - self.skip
 
 
-def any_rank(run, flag: bool) -> bool:
-    """True on every rank if `flag` is True on any (a collective: every rank calls it)."""
-    votes = torch.tensor(float(flag), device=run.device)
-    dist.all_reduce(votes)
-    return bool(votes > 0)
-
-
 class StopRequest:
-    """As in step 07: a stop signal means "stop soon"; the handler only takes note, after each
-    step the ranks vote, and all save at the same step."""
+    """As in step 07: the ranks vote about once a second, all save at the same step; a signal
+    before the first step, or a second one (not a repeat within 5 s), ends at once (end_now)."""
 
     def __init__(self):
-        self.requested = None  # the name of the signal that asked this rank to stop
+        self.requested, self.at, self.steps, self.next_vote = None, 0.0, 0, 1
+        self.started = time.monotonic()
         for signum in STOP_SIGNALS:
             signal.signal(signum, self.note)
 
     def note(self, signum, frame):
-        self.requested = signal.Signals(signum).name
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if not self.steps or (self.requested and now - self.at >= 5):
+            end_now(signum, f"a second stop signal ({name} after {self.requested})"
+                    if self.requested else f"{name} before the first training step")
+        self.requested, self.at = self.requested or name, self.at or now
 
     def agreed(self, run) -> bool:
-        return any_rank(run, self.requested is not None)
+        self.steps += 1
+        if self.steps < self.next_vote:
+            return False
+        pace = self.steps / (time.monotonic() - self.started)  # steps per second so far
+        votes = torch.tensor([float(self.requested is not None), pace], device=run.device)
+        dist.all_reduce(votes)  # any request stops all; the mean pace times the next vote
+        self.next_vote = self.steps + max(1, int(votes[1] / run.world_size))  # in ~1 s
+        return bool(votes[0] > 0)
+
+
+def end_now(signum: int, why: str) -> None:
+    """A stop signal that cannot wait for a checkpoint: one line, exit 128 + its number."""
+    print(f"error: {why}: stopped at once, without a checkpoint", file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # (from a signal handler, mid-step: nothing is worth finishing)
 
 
 def ignore_stop_signals(worker_id):
-    """DataLoader workers get SLURM's SIGTERM too: they ignore it and end with their rank."""
+    """As in step 07: DataLoader workers ignore the stop signals and Ctrl-C."""
     seed_worker(worker_id)
-    for signum in STOP_SIGNALS:
+    for signum in (signal.SIGINT, *STOP_SIGNALS):
         signal.signal(signum, signal.SIG_IGN)
 
 
-def rng_state() -> dict:
-    """What this rank's dropout draws next: the CPU's generator (and the GPU's, if used)."""
+def rng_state() -> dict:  # what this rank's dropout draws next, on the CPU and the GPU
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}
     return {"cpu": torch.get_rng_state(), **cuda}
 
@@ -634,31 +785,49 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
-def restarted() -> bool:
-    """True in a group that torchrun restarted, or a job that SLURM requeued."""
-    return any(int(os.environ.get(name, 0)) > 0
+def restarted(run) -> bool:
+    """As in step 07: True on every rank if torchrun or SLURM restarted any (a collective)."""
+    mine = any(int(os.environ.get(name, 0)) > 0
                for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    votes = torch.tensor(float(mine), device=run.device)
+    dist.all_reduce(votes)
+    return bool(votes > 0)
 
 
-def run_settings(args, plan, train_set) -> dict:
-    """What orders an epoch's samples: a mid-epoch resume needs the same (saved with each)."""
-    return {"train_samples": len(train_set), "seed": args.seed, "global_batch": plan.global_batch}
+def run_settings(script, args, plan, train_set) -> dict:
+    """As in step 07: what makes a run the same run, saved with each checkpoint."""
+    labels = train_set.labels.long()  # a fingerprint: MNIST and the synthetic digits differ
+    return {"step": Path(script).name, "data": int((labels * torch.arange(len(labels))).sum()),
+            "train_samples": len(train_set), "seed": args.seed, "global_batch": plan.global_batch,
+            **{key: vars(args)[key] for key in ("width", "dropout", "lr", "lr_scaling",
+                                                "warmup_steps")}}
 
 
-# ---------------------------------------------------------------- 08's report, for 09
-def peak_memory_mib(run) -> float:
-    """The most this process held: its GPU tensors, or on the CPU its peak resident set."""
-    if run.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(run.device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # (Linux: KiB)
+def differences(saved, settings: dict, keys=()) -> str:
+    """As in step 07: `seed 0 -> 1, ...` for each setting that `saved` records otherwise."""
+    saved = saved if isinstance(saved, dict) else {}
+    return ", ".join(f"{key} {saved.get(key)!r} -> {settings[key]!r}"
+                     for key in keys or settings if saved.get(key) != settings[key])
 
 
-def held_per_rank(model, optimizer, run, memory_after_build: float) -> dict:
-    """For summary.json (a collective): each rank's parameter elements and peak memory (MiB).
-    (In the repository also its optimizer state and its memory after the build.)"""
-    everyone = [None] * run.world_size
-    dist.all_gather_object(everyone, (sum(p.to_local().numel() for p in model.parameters()),
-                                      peak_memory_mib(run)))
-    return {"params_total": sum(p.numel() for p in model.parameters()),
-            "params_per_rank": [e[0] for e in everyone],
-            "peak_memory_mib": [e[1] for e in everyone]}
+def adopted(latest, saved, settings: dict, run):
+    """As in step 07: `latest` if this run's settings wrote it (`saved`: those it records), else
+    None and a line why (another run's results are not this run's: its first save replaces it)."""
+    differ = differences(saved, settings)
+    if differ:
+        log(run, f"not resuming from {latest}: another run wrote it ({differ}); starting "
+                 f"afresh: this run's first checkpoint replaces it")
+    return None if differ else latest
+
+
+def check_same_sample_order(saved, position: dict, settings: dict, path) -> None:
+    """As in step 07: mid-epoch, the rest of an epoch is the rest of the same order only with
+    the settings that order it (`saved`: those of the run that wrote the checkpoint)."""
+    differ = differences(saved, settings, ("step", "data", "train_samples", "seed",
+                                           "global_batch")) if position["step"] else ""
+    if differ:
+        raise UserError(f"checkpoint {path} was written in the middle of an epoch, by a run "
+                        f"with other settings ({differ}): continuing it would skip some samples "
+                        f"and repeat others. Resume with that run's settings, or from a "
+                        f"checkpoint written at the end of an epoch")
+

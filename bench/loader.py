@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from harness import data, step06_digits_h5 as digits_h5  # noqa: E402
 from harness.flags import SAMPLES_LIMIT, Parser, integer  # noqa: E402
-from harness.synthetic_digits import synthetic_digits  # noqa: E402
+from common import synthetic_digits  # noqa: E402
 
 def epoch_rate(loader) -> float:
     started, samples = time.perf_counter(), 0

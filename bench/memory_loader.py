@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 from harness import data  # noqa: E402
-from harness.synthetic_digits import synthetic_digits  # noqa: E402
+from common import synthetic_digits  # noqa: E402
 
 CONFIGS = {"0 workers": (0, False), "2 workers, re-forked each epoch": (2, False),
            "2 persistent workers": (2, True)}

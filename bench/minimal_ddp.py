@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset  # noqa: E40
 
 from harness.data import Digits  # noqa: E402
 from harness.model import Net  # noqa: E402
-from harness.synthetic_digits import synthetic_digits  # noqa: E402
+from common import synthetic_digits  # noqa: E402
 
 
 def main():

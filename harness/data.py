@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import MNIST_MEAN, MNIST_STD, Digits, make_loader, seed_worker  # noqa: F401
+from common import (MNIST_MEAN, MNIST_STD, Digits, make_loader, seed_worker,  # noqa: F401
+                    synthetic_digits)
 
 from .errors import UserError, first_line
 from .ranks import all_ranks_agree
@@ -73,8 +74,6 @@ def load_datasets(args, run, download: bool) -> tuple[Digits, Digits]:
         if args.data == "auto" and run.is_main:
             print(f"warning: MNIST not in {mnist_dir} and not downloadable; using built-in "
                   f"synthetic digits (--data synthetic to silence this)", flush=True)
-        from .synthetic_digits import synthetic_digits
-
         train = Digits(*synthetic_digits(args.train_samples or 60_000, seed=1))
         test = Digits(*synthetic_digits(args.test_samples or 10_000, seed=2))
     return prefix(train, args.train_samples), prefix(test, args.test_samples)

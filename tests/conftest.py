@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from harness.synthetic_digits import synthetic_digits  # noqa: E402
+from common import synthetic_digits  # noqa: E402
 
 TRAIN_SAMPLES, TEST_SAMPLES = 1200, 299  # 299 is prime: it divides over no world size
 

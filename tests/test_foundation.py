@@ -14,7 +14,7 @@ from conftest import (REPO, TRAIN_SAMPLES, assert_no_traceback, base_env, launch
                       run_step, torchrun_cmd)
 from harness import flops
 from harness.model import Net
-from harness.synthetic_digits import synthetic_digits
+from common import synthetic_digits
 
 SMALL = ["--train-samples", 512, "--test-samples", 200, "--batch-size", 64]
 
