@@ -1,14 +1,15 @@
 """Step 06: stream the training set from an HDF5 file instead of holding it in memory.
 
-A side trip from step 05 (step 07 builds on 05). Each rank streams its share of one chunked HDF5
-file, a few chunks at a time, in DataLoader workers: memory stays flat whatever the file's size.
-Three rules (open it in each worker, read whole chunks, shuffle twice): docs/steps.md, "06".
+A side trip from 05. Each rank's DataLoader workers stream its share of one chunked HDF5 file,
+a few chunks at a time: open it in each worker, read whole chunks, shuffle twice (docs/steps.md).
 
 Run it:
     python 06_streaming_h5.py prepare --data mnist               # only write data/mnist.h5
     torchrun --standalone --nproc-per-node 2 06_streaming_h5.py  # prepares the file if missing
 
 Look for: "<file>: N training samples (streamed, in chunks of C)", then step 05's accuracy.
+
+Read also: common.py (write_h5, open_h5: the file, written once, checked when opened).
 """
 
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
@@ -31,9 +32,8 @@ import common
 
 
 def use_srun_identity():
-    """`srun python 05_multinode.py` (one task per GPU, no torchrun) tells each process who it
-    is in SLURM's variables: the same numbers under other names. The group then meets at the
-    first node of the job step, at a port derived from the job id."""
+    """`srun python 05_multinode.py` (one task per GPU, no torchrun): who is who, from SLURM's
+    variables. The group meets at the step's first node, at a port derived from the job id."""
     env = os.environ
     if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", 1)) < 2:
         return  # started by torchrun, or by plain python
@@ -74,16 +74,16 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
 
 
 def evaluate(model, loader, run):
-    """Loss and accuracy over the whole test set: each rank's sums, added over all ranks."""
+    """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
+    correct answers, samples), then the sums are added up over all ranks."""
     sums = common.test_sums(model, loader, run)
     dist.all_reduce(sums)
     return common.test_results(sums)
 
 
 def report_topology(run):
-    """Every rank says where it runs, and the variables that steer how the group connects
-    which it inherited (often left over in a shell or a module file, and different per node);
-    rank 0 prints one line per rank. Returns the node count."""
+    """Rank 0 prints where every rank runs, and the inherited variables that steer how the group
+    connects (often left over in a shell, different per node). Returns the node count."""
     node_rank = int(os.environ.get("GROUP_RANK", 0))  # torchrun's name for the node rank
     steering = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items())
                         if name == "NODE_RANK" or name.startswith("NCCL_")
@@ -98,13 +98,28 @@ def report_topology(run):
     return len({node for node, *_ in everyone})
 
 
-# A chunk is the unit HDF5 reads: bigger chunks, fewer and larger reads (network filesystems
-# like ~1 MB; 1024 MNIST images are 0.8 MB), but a chunk's samples land in the same few batches.
-BUFFER_CHUNKS = 4  # chunks each worker holds in memory and shuffles together
+def describe_buckets(model) -> str:
+    """DDP's gradient buckets, each one all-reduce. After its first steps DDP rebuilds them in
+    the order gradients became ready in backward (last layer first); a bucket closes once it
+    holds more than its cap: 1 MiB for the first, so communication starts early, 25 MiB for
+    the rest (--bucket-cap-mb sets both). _get_ddp_logging_data: DDP's own report, which
+    holds the rebuilt buckets only after a few steps (docs/steps.md)."""
+    info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
+    if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
+        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
+    # A compiled module names its parameters _orig_mod.<name>: the names of the model itself.
+    names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
+    buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
+                  info["rebuilt_per_bucket_param_indices"].split(", "))
+    return "DDP's gradient buckets, in the order they are all-reduced:\n" + "\n".join(
+        f"  bucket {i}: {int(size) / 2**20:.3f} MiB: "
+        f"{', '.join(names[int(p)] for p in indices.split())}"
+        for i, (size, indices) in enumerate(buckets))
 
 
 class StreamingDigits(IterableDataset):
     """The training set, read from the HDF5 file a few chunks at a time, yielded as batches."""
+    buffer_chunks = 4  # chunks each worker holds in memory and shuffles together
 
     def __init__(self, path, count, chunk, batch_size, rank, world_size, seed):
         self.path, self.count, self.chunk, self.batch_size = path, count, chunk, batch_size
@@ -134,14 +149,17 @@ class StreamingDigits(IterableDataset):
         worker_id, workers = (worker.id, worker.num_workers) if worker else (0, 1)
         first = self.rank * self.steps + worker_id * self.steps // workers
         last = self.rank * self.steps + (worker_id + 1) * self.steps // workers
-        mine = stream_ranges(starts, self.chunk, self.count,
-                             first * self.batch_size, last * self.batch_size)
+        ends = np.minimum(starts + self.chunk, self.count)
+        at = np.cumsum(ends - starts) - (ends - starts)  # where each chunk begins in the stream
+        a = np.maximum(starts, starts + first * self.batch_size - at).tolist()
+        b = np.minimum(ends, starts + last * self.batch_size - at).tolist()
+        mine = [(x, y) for x, y in zip(a, b) if x < y]  # row ranges: whole chunks but at the ends
         # 3. Read a few chunks, shuffle what is buffered, yield whole batches, keep the rest.
         rng = np.random.default_rng([self.seed, epoch, first])
         images, labels = np.empty((0, 28, 28), np.uint8), np.empty(0, np.int64)
         with h5py.File(self.path, "r") as f:  # opened here, in the worker, after the fork
-            for i in range(0, len(mine), BUFFER_CHUNKS):
-                new_images, new_labels = self.read(f, mine[i:i + BUFFER_CHUNKS])
+            for i in range(0, len(mine), self.buffer_chunks):
+                new_images, new_labels = self.read(f, mine[i:i + self.buffer_chunks])
                 images = np.concatenate([images, new_images])
                 labels = np.concatenate([labels, new_labels])
                 shuffled = rng.permutation(len(labels))
@@ -153,59 +171,10 @@ class StreamingDigits(IterableDataset):
                            torch.from_numpy(labels[batch]))
                 images, labels = images[shuffled[ready:]], labels[shuffled[ready:]]
 
-    def read(self, f, ranges):
-        return read_rows(self.path, f, ranges)  # one sequential read per range
-
-
-def stream_ranges(starts, chunk, count, first, last):
-    """The rows at positions first .. last-1 of the stream that the chunks starting at `starts`
-    (in that order) form, as (a, b) row ranges: whole chunks, except at the two ends."""
-    ranges, position = [], 0
-    for start in starts:
-        end = min(start + chunk, count)
-        a, b = max(start, start + first - position), min(end, start + last - position)
-        if a < b:
-            ranges.append((a, b))
-        position += end - start
-    return ranges
-
-
-def read_rows(path, f, ranges):  # (the repository's twin names a damaged chunk)
-    images = np.concatenate([f["train/images"][a:b] for a, b in ranges])
-    labels = np.concatenate([f["train/labels"][a:b] for a, b in ranges])
-    return images, labels.astype(np.int64)
-
-
-def prepare_if_missing(args, run):
-    """Write args.h5 from the digits when it is missing: rank 0 writes, the others wait (on a
-    filesystem all ranks share). Both sets as uint8, in chunks with a checksum each."""
-    if not args.h5.is_file():
-        train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
-        if run.is_main:  # under a temporary name, renamed when complete: never half a file
-            args.h5.parent.mkdir(parents=True, exist_ok=True)
-            common.save_atomically(args.h5, lambda temporary: write_h5(
-                temporary, train_set, test_set, args.h5_chunk, args.h5_compression))
-    dist.barrier()
-
-
-def write_h5(path, train_set, test_set, chunk, compression):  # fletcher32: a checksum
-    with h5py.File(path, "w") as f:
-        for name, digits in [("train", train_set), ("test", test_set)]:
-            group, rows = f.create_group(name), min(chunk, len(digits))
-            group.attrs.update(count=len(digits), shape=(28, 28))
-            group.create_dataset("images", data=digits.images.numpy(), chunks=(rows, 28, 28),
-                                 compression=compression, fletcher32=True)
-            group.create_dataset("labels", data=digits.labels.numpy(), chunks=(rows,),
-                                 compression=compression, fletcher32=True)
-
-
-def open_h5(args):
-    """What is small: (training samples to use, the chunk size, the test set in memory)."""
-    with h5py.File(args.h5, "r") as f:
-        train_count = args.train_samples or len(f["train/labels"])
-        test_set = common.Digits(torch.from_numpy(f["test/images"][:args.test_samples]),
-                                 torch.from_numpy(f["test/labels"][:args.test_samples]).long())
-        return train_count, f["train/images"].chunks[0], test_set
+    def read(self, f, ranges):  # one sequential read per range; a damaged chunk: OSError
+        images = np.concatenate([f["train/images"][a:b] for a, b in ranges])
+        labels = np.concatenate([f["train/labels"][a:b] for a, b in ranges])
+        return images, labels.astype(np.int64)
 
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
@@ -217,22 +186,24 @@ def main():
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         help="torch.compile the model (default: on GPUs; off on the CPU, "
                         "where it measured slower for this model: see docs/benchmarks.md)")
-    parser.add_argument("command", nargs="?", choices=["train", "prepare"], default="train",
-                        help="prepare: only write the HDF5 file (train prepares it if missing)")
-    parser.add_argument("--h5", type=Path, metavar="PATH",
-                        help="the HDF5 file (default: <data-dir>/mnist.h5)")
-    parser.add_argument("--h5-chunk", type=int, default=1024, metavar="N",
-                        help="samples per chunk (prepare)")
-    parser.add_argument("--h5-compression", choices=["gzip", "lzf"],
-                        help="compress chunks (prepare; default: none)")
+    parser.add_argument("command", nargs="?", choices=["train", "prepare"], default="train")
+    parser.add_argument("--h5", type=Path, metavar="PATH", help="default: <data-dir>/mnist.h5")
+    parser.add_argument("--h5-chunk", type=int, default=1024, metavar="N", help="samples per chunk")
+    parser.add_argument("--h5-compression", choices=["gzip", "lzf"], help="compress the chunks")
     parser.set_defaults(num_workers=2)  # workers read the file while the model trains
     args = parser.parse_args()  # every flag is checked here
     args.h5 = args.h5 or args.data_dir / "mnist.h5"
     use_srun_identity()  # before setup, which reads RANK, LOCAL_RANK, WORLD_SIZE, ...
-    run = common.setup_distributed(args)  # step 02's setup(), now shared
+    run = common.setup_distributed(args)  # step 02's setup(), in common.py from here on
     nodes = report_topology(run)
-    prepare_if_missing(args, run)  # rank 0 writes it from the digits
-    train_count, chunk, test_set = open_h5(args)  # (the harness checks the file first)
+    missing = torch.tensor(float(not args.h5.is_file()), device=run.device)
+    dist.all_reduce(missing)  # missing on any rank: all ranks load (load_datasets has collectives)
+    if missing > 0:
+        train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
+        if run.is_main:  # one writer, on a filesystem all ranks share
+            common.write_h5(args.h5, train_set, test_set, args.h5_chunk, args.h5_compression)
+        dist.barrier()  # no rank opens the file before it is complete
+    train_count, chunk, test_set = common.open_h5(args)  # (the harness checks it further)
     common.log(run, f"{args.h5}: {train_count} training samples (streamed, in chunks of {chunk}), "
                     f"{len(test_set)} test samples (in memory)")
     if args.command == "prepare":
@@ -261,7 +232,7 @@ def main():
     start_epoch = 0
     if args.resume:
         start_epoch = common.restore_checkpoint(args.resume, run, raw_model, optimizer,
-                                                scheduler)["epoch"]
+                                         scheduler)["epoch"]
 
     results, test = common.Metrics(run, args), None
     with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
@@ -281,10 +252,10 @@ def main():
             test = evaluate(raw_model, test_loader, run)
             results.epoch(epoch, train_loss, test, samples_per_sec, lr)
             if epoch == start_epoch:
-                common.log(run, common.describe_buckets(model))  # as in 03
+                common.log(run, describe_buckets(model))
             if run.is_main:  # all ranks hold the same weights: one writer is enough
                 common.save_checkpoint(args.out_dir / "checkpoint.pt", raw_model, optimizer,
-                                       scheduler, epoch + 1)
+                                scheduler, epoch + 1)
             dist.barrier()  # no rank may read the checkpoint before it is complete
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(raw_model, test_loader, run)

@@ -4,55 +4,47 @@ One file holds both sets as uint8 (4x smaller than float32), in chunks of --h5-c
 with a checksum each; it is written under a temporary name and renamed when complete, so an
 interrupted `prepare` leaves no half file and no reader ever sees one.
 
-Step 06 writes out plain versions of these functions (a copied 06 writes and reads its file with
-h5py alone). In the repository, take_in(step) replaces them by the checked twins below, which
-write the same samples in the same chunks and read the same rows:
-- prepare_if_missing: all ranks agree whether the file is there, a place that cannot be written
-  is one line before converting, a full disk is one line and leaves no temporary file (write);
+common.py's plain write_h5 and open_h5 (a copied 06 runs with them) are replaced here
+(harness/__init__.py) by checked ones that write the same file and read the same samples:
+- write_h5: a place that cannot be written is one line, and so is a full disk, which leaves no
+  temporary file (checkpoint.write_atomically, which also removes a dead process's);
 - open_h5: open_checked, the file's shapes, types, links and stored sizes checked before any
-  byte is read (`prepare` reads every chunk's checksum), one line for a bad file;
-- read_rows: a chunk damaged after those checks is one line naming the file and the chunk.
+  byte is read (`prepare` reads every chunk's checksum), one line for a bad file.
+around(script): a chunk damaged after those checks fails in h5py, in a DataLoader worker, with
+no word of where; the run then ends with one line naming the file and the chunk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 from argparse import ArgumentTypeError
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from .checkpoint import write_atomically, write_failure
-from .data import MNIST_MEAN, MNIST_STD, Digits, load_datasets, prefix
+from .data import MNIST_MEAN, MNIST_STD, Digits, prefix
 from .errors import UserError, first_line
 from .flags import SAMPLES_LIMIT, writable_dir
-from .ranks import all_ranks_agree
+
+# h5py is imported where it is used: harness/__init__.py imports this module for every step.
 
 
 def check_writable(path: Path) -> None:
-    """Fail before converting anything when the file could not be written (--out-dir's check)."""
+    """Fail in one line when the file could not be written there (--out-dir's check)."""
     try:
         writable_dir(str(path.parent))
     except ArgumentTypeError as err:
         raise UserError(f"cannot write {path}: {err} (choose another --h5)") from None
 
 
-def prepare_if_missing(args, run) -> None:
-    """Write args.h5 from --data when no rank finds it. Global rank 0 writes; the others wait.
-    This assumes a filesystem all nodes share (otherwise run `prepare` on every node first).
-    The conversion reads the source into memory once, as steps 00-05 do; only training streams.
-    The file keeps what --data and --train/test-samples chose: delete it to change that."""
-    if all_ranks_agree(run, args.h5.is_file()):
-        return
-    check_writable(args.h5)  # on every rank, so that rank 0 prints the one line
-    train_set, test_set = load_datasets(args, run, download=run.local_rank == 0)
-    if run.is_main and not args.h5.is_file():
-        write(args.h5, train_set, test_set, args.h5_chunk, args.h5_compression)
-    if dist.is_initialized():
-        dist.barrier()
+def write_h5(path: Path, train_set: Digits, test_set: Digits, chunk: int,
+             compression: str | None) -> None:
+    """common.write_h5, checked: the place first, then write()."""
+    check_writable(path)
+    write(path, train_set, test_set, chunk, compression)
 
 
 def write(path: Path, train_set: Digits, test_set: Digits, chunk: int,
@@ -66,6 +58,7 @@ def write(path: Path, train_set: Digits, test_set: Digits, chunk: int,
     ourselves, a full disk is an OSError, and the temporary file goes. (The conversion holds the
     sets in memory anyway; the file is about their size.)
     """
+    import h5py
     image = io.BytesIO()
     with h5py.File(image, "w") as f:
         f.attrs.update(mean=MNIST_MEAN, std=MNIST_STD)  # see data.normalize
@@ -93,6 +86,7 @@ def open_checked(path: Path, train_samples: int | None, test_samples: int | None
     size, the test set in memory). Runs before training, so a bad file is one clear line, not
     a crash mid-epoch. verify_all reads every chunk (checksums); otherwise the labels and the
     last chunk, where a cut-off copy ends."""
+    import h5py
     try:
         with h5py.File(path, "r") as f:
             for name in ["train", "test"]:
@@ -132,6 +126,7 @@ def only_inside(f, path: Path, name: str):
     anywhere in this one), and its bytes stored here (HDF5's external storage reads them from
     any file it names, a FIFO too, which would block the read forever; a virtual dataset maps
     other files). Checked before any byte of it is read."""
+    import h5py
     node, reached = f, []
     for part in name.split("/"):
         if not isinstance(node, h5py.Group):
@@ -175,30 +170,48 @@ def check_stored(path: Path, name: str, count: int, images, labels) -> None:
                             f"it was cut); delete it to prepare it again")
 
 
-def read_rows(path: Path, f, ranges) -> tuple[np.ndarray, np.ndarray]:
-    """The training rows of the given (start, end) ranges, one sequential read per range (a
-    range never crosses a chunk). A chunk that fails its checksum while training (a copy
-    damaged since it was checked) is one line naming the file and the chunk."""
-    images, labels = [], []
-    for a, b in ranges:
-        try:
-            images.append(f["train/images"][a:b])
-            labels.append(f["train/labels"][a:b])
-        except OSError as err:
-            chunk = f["train/images"].chunks[0]
-            raise UserError(f"{path}: chunk {a // chunk} (training rows {a // chunk * chunk}-"
-                            f"{(a // chunk + 1) * chunk - 1}) cannot be read "
-                            f"({first_line(err, 80)}); the file is damaged: delete "
-                            f"it and prepare it again") from None
-    return np.concatenate(images), np.concatenate(labels).astype(np.int64)
+# The file open_h5 checked in this process, for around(): the path is in the step's args only.
+_checked: list[Path] = []
 
 
 def open_h5(args) -> tuple[int, int, Digits]:
-    """The step's open_h5, checked (open_checked); `prepare` reads every chunk once."""
+    """common.open_h5, checked (open_checked); `prepare` reads every chunk once."""
+    _checked.append(args.h5)
     return open_checked(args.h5, args.train_samples, args.test_samples,
                         verify_all=args.command == "prepare")
 
 
-def take_in(step: dict) -> None:
-    """Replace step 06's plain file functions by their checked twins (see the top)."""
-    step.update(prepare_if_missing=prepare_if_missing, open_h5=open_h5, read_rows=read_rows)
+@contextlib.contextmanager
+def around(script: Path):
+    """Around step 06's main(): a chunk that fails its checksum while training (a copy damaged
+    since open_h5 checked it) is an OSError from h5py, re-raised from a DataLoader worker, which
+    names neither the file nor the chunk. Read the training chunks again: the first that fails
+    is named in one line. (An OSError with no damaged chunk behind it stays as it came.)"""
+    try:
+        yield
+    except OSError:
+        if _checked:
+            name_damaged_chunk(_checked[-1])
+        raise
+
+
+def name_damaged_chunk(path: Path) -> None:
+    """Raise a one-line UserError naming the first training chunk of `path` that cannot be
+    read; return if every chunk reads, or if `path` is no longer a digits file at all."""
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            images, labels = f["train/images"], f["train/labels"]
+            rows = (images.chunks or [1024])[0]
+            for a in range(0, len(labels), rows):
+                try:
+                    images[a:a + rows], labels[a:a + rows]
+                except OSError as err:
+                    why = first_line(err, 80)
+                    break
+            else:
+                return
+    except (OSError, KeyError, ValueError):
+        return  # gone or replaced since it was checked: the error stands as it came
+    raise UserError(f"{path}: chunk {a // rows} (training rows {a}-{a + rows - 1}) cannot be "
+                    f"read ({why}); the file is damaged: delete it and prepare it again")

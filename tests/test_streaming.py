@@ -2,9 +2,11 @@
 in-process on files whose pixels spell each sample's index; a few real runs (torchrun, gloo,
 DataLoader workers) check them end to end, with the accuracy of step 05 as the yardstick."""
 
+import importlib.util
 import os
 import re
 import runpy
+import sys
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -166,6 +168,52 @@ def test_a_bad_file_is_one_clear_error_before_training(step, indexed_file, tmp_p
     assert str(path) in message and "\n" not in message, message
     expected = {"wrong shape": "expected uint8 8 x 28 x 28", "wrong dtype": "float32 images"}
     assert expected.get(kind, "not a readable digits file") in message
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """common.py as a copied step has it: without the harness's checked write_h5 and open_h5."""
+    spec = importlib.util.spec_from_file_location("plain_common", REPO / "common.py")
+    module = sys.modules["plain_common"] = importlib.util.module_from_spec(spec)  # (dataclasses)
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["plain_common"]
+
+
+def test_the_plain_writer_writes_what_the_checked_one_writes(plain, tmp_path):
+    """A copied 06 writes its file with common.write_h5; the repository's run with the harness's
+    write_h5. The same file (but for HDF5's own bytes), and both read back the same."""
+    train, test = indexed_digits(300), indexed_digits(50)
+    plain.write_h5(tmp_path / "new" / "plain.h5", train, test, 64, "gzip")  # its folder made too
+    digits_h5.write_h5(tmp_path / "checked.h5", train, test, 64, "gzip")
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.name.startswith(".")) == []
+    with h5py.File(tmp_path / "new" / "plain.h5") as f, h5py.File(tmp_path / "checked.h5") as g:
+        assert dict(f.attrs) == dict(g.attrs)
+        for name in ("train", "test"):
+            assert {k: list(np.atleast_1d(v)) for k, v in f[name].attrs.items()} == \
+                   {k: list(np.atleast_1d(v)) for k, v in g[name].attrs.items()}
+            for part in ("images", "labels"):
+                a, b = f[name][part], g[name][part]
+                assert (a.dtype, a.chunks, a.compression, a.fletcher32) == \
+                       (b.dtype, b.chunks, b.compression, b.fletcher32)
+                assert np.array_equal(a[:], b[:])
+    args = SimpleNamespace(train_samples=None, test_samples=20, command="train")
+    opened = [open_h5(SimpleNamespace(**vars(args), h5=tmp_path / name)) for open_h5, name
+              in [(plain.open_h5, "new/plain.h5"), (digits_h5.open_h5, "checked.h5")]]
+    (count, chunk, test_set), (count_, chunk_, test_set_) = opened
+    assert (count, chunk) == (count_, chunk_) == (300, 64)
+    assert torch.equal(test_set.images, test_set_.images) and test_set.images.dtype == torch.uint8
+    assert torch.equal(test_set.labels, test_set_.labels) and test_set.labels.dtype == torch.int64
+
+
+@pytest.mark.parametrize("kind", ["truncated", "corrupt header"])
+def test_a_copied_06_opens_a_bad_file_with_one_line_too(plain, indexed_file, tmp_path, kind):
+    """Without the harness: common.open_h5 turns what h5py raises into one line (exit 2)."""
+    path = damaged(kind, indexed_file, tmp_path / "bad.h5")
+    with pytest.raises(plain.UserError) as error:
+        plain.open_h5(SimpleNamespace(h5=path, train_samples=None, test_samples=None))
+    message = str(error.value)
+    assert message.startswith(f"{path} is not a readable digits file") and "\n" not in message
 
 
 def test_an_interrupted_prepare_leaves_no_file(step, tmp_path, monkeypatch):
