@@ -21,7 +21,9 @@ import argparse
 import itertools
 import os
 import signal
+import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -59,24 +61,46 @@ def any_rank(run, flag: bool) -> bool:
 
 class StopRequest:
     """A stop signal means "stop soon" (SLURM kills 30 s after its SIGTERM). The handler only
-    takes note: after each step the ranks vote, and all save at the same step."""
+    takes note; about once a second (a vote every step would wait for the GPU every step) the
+    ranks vote, and all save at the same step. What cannot wait for a checkpoint ends the
+    process at once (common.end_now): a signal before the first step (nothing to save yet), or
+    a second one. One preemption often arrives twice within a second or two (SLURM signals
+    every process, torchrun forwards what it got): a repeat within REPEAT_AFTER_S is the same."""
+
+    REPEAT_AFTER_S = 5.0
 
     def __init__(self):
-        self.requested = None  # the name of the signal that asked this rank to stop
+        self.requested, self.requested_at = None, 0.0  # which signal asked this rank, and when
+        self.steps, self.next_vote, self.started = 0, 1, time.monotonic()
         for signum in STOP_SIGNALS:
             signal.signal(signum, self.note)
 
     def note(self, signum, frame):
-        self.requested = signal.Signals(signum).name
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if not self.steps:
+            common.end_now(signum, f"{name} before the first training step")
+        if self.requested and now - self.requested_at >= self.REPEAT_AFTER_S:
+            common.end_now(signum, f"a second stop signal ({name} after {self.requested})")
+        if not self.requested:
+            self.requested, self.requested_at = name, now
 
     def agreed(self, run) -> bool:
-        return any_rank(run, self.requested is not None)
+        """After every step, on every rank: True on all if any rank was asked to stop."""
+        self.steps += 1
+        if self.steps < self.next_vote:
+            return False
+        pace = self.steps / (time.monotonic() - self.started)  # steps per second so far
+        votes = torch.tensor([float(self.requested is not None), pace], device=run.device)
+        dist.all_reduce(votes)  # any request stops all; the mean pace times the next vote
+        self.next_vote = self.steps + max(1, int(votes[1] / run.world_size))  # in ~1 s
+        return bool(votes[0] > 0)
 
 
 def ignore_stop_signals(worker_id):
-    """DataLoader workers get SLURM's SIGTERM too: they ignore it and end with their rank."""
+    """DataLoader workers get SLURM's SIGTERM (and a terminal's Ctrl-C) too: one dying of it
+    would fail its rank before the rank can save. They ignore them and end with their rank."""
     common.seed_worker(worker_id)
-    for signum in STOP_SIGNALS:
+    for signum in (signal.SIGINT, *STOP_SIGNALS):
         signal.signal(signum, signal.SIG_IGN)
 
 
@@ -99,19 +123,35 @@ def restarted() -> bool:
 
 
 def run_settings(args, plan, train_set) -> dict:
-    """What orders an epoch's samples: a mid-epoch resume needs the same (saved with each)."""
-    return {"train_samples": len(train_set), "seed": args.seed, "global_batch": plan.global_batch}
+    """What makes a run the same run, saved with each checkpoint: the step, the data (a
+    fingerprint of its labels: MNIST and the synthetic digits differ), and the flags that order
+    an epoch's samples or shape the training. (Not the world size: with the same global batch,
+    any world size trains the same samples in the same steps.)"""
+    labels = train_set.labels.long()
+    return {"step": Path(__file__).name, "data": int((labels * torch.arange(len(labels))).sum()),
+            "train_samples": len(train_set), "seed": args.seed, "global_batch": plan.global_batch,
+            **{key: vars(args)[key] for key in ("width", "dropout", "lr", "lr_scaling",
+                                                "warmup_steps")}}
 
 
 def own_checkpoint(latest, settings, run):
-    """What a restarted group continues from: the checkpoint this run saved, if any."""
-    return latest if latest.is_file() else None
+    """What a restarted group continues from: the checkpoint this run saved, if any. Another
+    run's in the same --out-dir (a finished one, say) is left alone: continuing it would report
+    that run's results under this run's flags (common.adopted says so in a line)."""
+    if not latest.is_file():
+        return None
+    saved = torch.load(latest, map_location="cpu", weights_only=True)
+    return common.adopted(latest, saved.get("run"), settings, run)
 
 
 def resume(path, run, model, optimizer, scheduler, settings):
-    """Load `path`; returns the epoch to continue, the position in it, this rank's RNG state."""
+    """Load `path`; returns the epoch to continue, the position in it, this rank's RNG state.
+    Mid-epoch, the rest of the epoch is the rest of the same shuffled order only with the same
+    data, seed and global batch: otherwise refused, naming what differs (it would skip some
+    samples and train others twice)."""
     saved = common.restore_checkpoint(path, run, model, optimizer, scheduler)
     position, states = saved.get("position") or EPOCH_START, saved.get("rng") or []
+    common.check_same_sample_order(saved.get("run"), position, settings, path)
     # Each rank its own (their dropout masks differ); none fits on another world size.
     rng = states[run.rank] if position["step"] and len(states) == run.world_size else None
     common.log(run, f"resumed at step {position['step']} of epoch {saved['epoch'] + 1}")

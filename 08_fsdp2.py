@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import Subset
 
 import common
-from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest, any_rank,  # 07's
+from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest,  # 07's
                     ignore_stop_signals, restarted, rng_state, run_settings, set_rng_state)
 
 if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed the gradients
@@ -42,8 +42,11 @@ if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed 
 
 
 def own_checkpoint(latest, settings, run):
-    """What a restarted group continues from: the checkpoint this run saved, if any."""
-    return latest if latest.is_file() else None
+    """As in 07: the checkpoint this run saved, if any (another run's is left alone)."""
+    if not latest.is_file():
+        return None
+    saved = torch.load(latest, map_location="cpu", weights_only=True)
+    return common.adopted(latest, saved.get("run"), settings, run)
 
 
 def rekeyed(optim_state: dict, key) -> dict:
@@ -56,7 +59,12 @@ def rekeyed(optim_state: dict, key) -> dict:
 
 
 def save_gathered(path, model_state, optim_state, scheduler, epochs_done, **extra):
-    """07's one file, from the state gathered to rank 0: any step, or a plain Net, loads it."""
+    """07's one file, from the state gathered to rank 0: any step, or a plain Net, loads it.
+    Written through a temporary file and a rename (common.save_atomically): a crash mid-save
+    leaves the previous checkpoint whole; weights gone NaN would replace a good one: refused."""
+    if not all(torch.isfinite(t).all() for t in model_state.values() if t.is_floating_point()):
+        raise common.UserError(f"the weights became NaN or infinite; not saving them over "
+                               f"{path}. Try a lower --lr")
     state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
              "epoch": epochs_done, **extra}
     common.save_atomically(path, lambda temporary: torch.save(state, temporary))
@@ -64,7 +72,8 @@ def save_gathered(path, model_state, optim_state, scheduler, epochs_done, **extr
 
 def resume(path, run, model, optimizer, scheduler, settings):
     """Load `path` into the shards (every rank reads the whole file and keeps its own part);
-    returns the epoch to continue, the position in it, this rank's RNG state."""
+    returns the epoch to continue, the position in it, this rank's RNG state. (As in 07:
+    mid-epoch, only with the settings that ordered the epoch's samples.)"""
     saved = torch.load(path, map_location="cpu", weights_only=True)
     names = [name for name, _ in model.named_parameters()]  # by number: the file's order
     set_state_dict(model, optimizer, model_state_dict=saved["model"],
@@ -72,6 +81,7 @@ def resume(path, run, model, optimizer, scheduler, settings):
                    options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(saved["scheduler"])
     position, states = saved.get("position") or EPOCH_START, saved.get("rng") or []
+    common.check_same_sample_order(saved.get("run"), position, settings, path)
     # Each rank its own (their dropout masks differ); none fits on another world size.
     rng = states[run.rank] if position["step"] and len(states) == run.world_size else None
     common.log(run, f"resumed at step {position['step']} of epoch {saved['epoch'] + 1}")
@@ -150,15 +160,18 @@ def peak_memory_mib(run) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # (Linux: KiB)
 
 
-def held_per_rank(model, optimizer, run, memory_after_build: float) -> dict:
-    """For summary.json (a collective): each rank's parameter elements and peak memory (MiB).
-    (In the repository also its optimizer state and its memory after the build.)"""
+def held_per_rank(model, optimizer, run) -> dict:
+    """For summary.json (a collective): the elements each rank holds of the parameters and of
+    the optimizer state (its shards: SGD's momentum), and its peak memory (MiB)."""
+    state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    mine = (sum(p.to_local().numel() for p in model.parameters()),
+            sum(t.to_local().numel() for t in state), peak_memory_mib(run))
     everyone = [None] * run.world_size
-    dist.all_gather_object(everyone, (sum(p.to_local().numel() for p in model.parameters()),
-                                      peak_memory_mib(run)))
+    dist.all_gather_object(everyone, mine)
     return {"params_total": sum(p.numel() for p in model.parameters()),
             "params_per_rank": [e[0] for e in everyone],
-            "peak_memory_mib": [e[1] for e in everyone]}
+            "optimizer_state_per_rank": [e[1] for e in everyone],
+            "peak_memory_mib": [e[2] for e in everyone]}
 
 
 @common.record  # torch's elastic @record: torchrun's failure summary names the error
@@ -201,7 +214,6 @@ def main():
     set_model_state_dict(model, common.build_model(args, seed=args.seed).state_dict()
                          if run.is_main else {}, options=StateDictOptions(
                              full_state_dict=True, broadcast_from_rank0=True))
-    memory_after_build = peak_memory_mib(run)  # (MiB)
     held = sum(p.to_local().numel() for p in model.parameters())  # this rank's shards
     total = sum(p.numel() for p in model.parameters())
     common.log(run, f"FSDP2: each rank holds {held:,} of the {total:,} parameters "
@@ -210,11 +222,12 @@ def main():
     # The optimizer comes after shard(): it must hold the sharded parameters.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
-    latest, settings = args.out_dir / "checkpoint.pt", run_settings(args, plan, train_set)
+    latest, settings = args.out_dir / "checkpoint.pt", run_settings(__file__, args, plan,
+                                                                     train_set)
     # Any rank restarted: all resume (an agent restarted because another node failed does not
     # count that restart). --resume is for the first attempt: a restart continues from what
     # this run saved since, if it did.
-    if any_rank(run, restarted()):
+    if restarted(run):
         args.resume = own_checkpoint(latest, settings, run) or args.resume
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
@@ -269,7 +282,7 @@ def main():
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(model, test_loader, run)
     results.summary(__file__, args, plan, test, progress, nodes=nodes,  # + what each rank held
-                    **held_per_rank(model, optimizer, run, memory_after_build))
+                    **held_per_rank(model, optimizer, run))
     dist.destroy_process_group()
 
 

@@ -17,8 +17,13 @@ Look for: "checkpoint ...: 0.0x s blocking training, then 0.x s in the backgroun
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
 try: import harness  # noqa: E701, F401
 except ModuleNotFoundError: pass  # noqa: E701
+import errno
+import json
 import os
+import pickle
+import re
 import shutil
+import signal
 import sys
 import time
 
@@ -26,16 +31,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Subset
 
 import common
-from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest, any_rank,  # 07's
+from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest,  # 07's
                     ignore_stop_signals, restarted, rng_state, run_settings, set_rng_state)
-from common import held_per_rank, peak_memory_mib  # 08's
 
 if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed the gradients
     print(f"error: 09_distributed_checkpoint.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 "
@@ -44,28 +52,94 @@ if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed 
     sys.exit(2)
 
 
+def saved_settings(folder):
+    """The settings of the run that wrote `folder` (its run.json: plain JSON, no code), if any."""
+    try:
+        return json.loads((folder / "run.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as err:  # (RecursionError: lists nested deep)
+        raise common.UserError(f"{folder / 'run.json'} is damaged or unreadable "
+                               f"({type(err).__name__}: {str(err)[:120]})") from None
+
+
 def own_checkpoint(latest, settings, run):
-    """What a restarted group continues from: the checkpoint this run saved, if any."""
-    return latest if latest.exists() else None  # (a link to nothing does not exist)
+    """What a restarted group continues from: the folder `latest` links to, if this run's
+    settings wrote it (as in 07: another run's results are not this run's)."""
+    if not latest.exists():  # (a link to nothing does not exist)
+        return None
+    differ = common.differences(saved_settings(latest), settings)
+    if differ:
+        common.log(run, f"not resuming from {latest}: another run wrote it ({differ}); starting "
+                        f"afresh: this run's first checkpoint replaces it")
+    return None if differ else latest
+
+
+def why(err, folder=None) -> str:
+    """A failure in words: an OSError's own (a disk can run out of inodes with bytes to spare),
+    or the first line of torch's."""
+    if getattr(err, "errno", None) == errno.ENOSPC and os.statvfs(folder.parent).f_favail == 0:
+        return f"{err.strerror} (no inodes left there, though bytes are: see df -i)"
+    return getattr(err, "strerror", None) or (str(err).strip().splitlines() or [""])[0][:160]
+
+
+# The names of the folders 09 makes: the only ones it removes (not a checkpoint-best of yours).
+MADE_BY_09 = re.compile(r"checkpoint-(epoch\d+-(step\d+|end)|copied-\d+)")
+
+
+def made_by_09(path) -> bool:
+    return MADE_BY_09.fullmatch(path.name) and path.is_dir() and not path.is_symlink()
 
 
 class Commits:
     """One save at a time. A checkpoint is a new folder; <out-dir>/checkpoint is a link to the
     newest complete one. Switching a link is one atomic rename, so a kill mid-save leaves the
-    link on the previous checkpoint. new_folder() first waits for the last save, commits it."""
+    link on the previous checkpoint. new_folder() first waits for the last save, commits it.
+    A save that fails on one rank fails on every rank (none may wait for it in a collective)."""
 
-    def __init__(self, out_dir, run, settings):  # (the repository's Commits records settings)
-        self.out_dir, self.run, self.pending = out_dir, run, None
+    def __init__(self, out_dir, run, settings):
+        self.out_dir, self.run, self.settings, self.pending = out_dir, run, settings, None
 
     def new_folder(self, name: str, rng: dict):
         self.finish()
-        self.folder, self.started_at = self.out_dir / f"checkpoint-{name}", time.perf_counter()
-        if self.run.is_main:  # a save killed before its commit left it: old .metadata, new shards
-            shutil.rmtree(self.folder, ignore_errors=True)  # would load silently wrong
+        folder, self.started_at = self.out_dir / f"checkpoint-{name}", time.perf_counter()
+        if self.run.is_main and made_by_09(folder):  # a save killed before its commit left it:
+            shutil.rmtree(folder)  # its old .metadata and new shards would load silently wrong
         dist.barrier()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        torch.save(rng, self.folder / f"rng-rank{self.run.rank}.pt")  # each rank its own
-        return self.folder
+        failed = None
+        try:  # never through a link planted at the name: its target is not ours to fill
+            if os.path.lexists(folder) and not made_by_09(folder):
+                kind = "a symbolic link" if folder.is_symlink() else "not a folder"
+                raise OSError(errno.EEXIST, f"it is {kind}, and 09 writes only into folders it makes")
+            folder.mkdir(exist_ok=True)
+            common.save_atomically(folder / f"rng-rank{self.run.rank}.pt",
+                                   lambda temporary: torch.save(rng, temporary))  # its own
+            if self.run.is_main:  # which run wrote it (own_checkpoint reads it)
+                common.save_atomically(folder / "run.json", lambda temporary:
+                                       temporary.write_text(json.dumps(self.settings)))
+        except OSError as err:  # a full disk, a read-only filesystem, ...
+            failed = why(err, folder)
+        self.agree(folder, failed)
+        self.folder = folder
+        return folder
+
+    def agree(self, folder, failed) -> None:
+        """Every rank learns whether any failed (a collective); then all stop, in one line,
+        with the failed folder removed and the link left on the last complete checkpoint."""
+        everyone = [None] * self.run.world_size
+        dist.all_gather_object(everyone, failed)
+        failed = next((reason for reason in everyone if reason), None)
+        if failed is None:
+            return
+        if self.run.is_main and made_by_09(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+        dist.barrier()  # every rank then says the same line
+        removed = ("left the link as it was" if folder.is_symlink() else
+                   "could not remove it" if folder.exists() else "removed it")
+        link = self.out_dir / "checkpoint"
+        kept = (f"the last complete checkpoint, {os.readlink(link)}, is unchanged"
+                if link.is_symlink() else "no complete checkpoint was written before it")
+        raise common.UserError(f"could not write checkpoint {folder}: {failed}; {removed}, {kept}")
 
     def started(self, future) -> None:  # dcp.async_save's: done once the shards are written
         self.pending = (future, self.folder, self.started_at, time.perf_counter())
@@ -74,19 +148,82 @@ class Commits:
         if self.pending is None:
             return
         (future, folder, started, returned), self.pending = self.pending, None
-        future.result()
+        try:
+            future.result()
+        except CheckpointException as err:  # every rank gets every rank's failures
+            cause = next(iter(err.failures.values()))[0]  # (the error, its traceback)
+            self.agree(folder, why(cause, folder)
+                       if isinstance(cause, (OSError, RuntimeError)) else None)
+            raise
         dist.barrier()  # every rank's shards are written: commit
+        failed = None
         if self.run.is_main:
-            link = self.out_dir / ".checkpoint.link"
-            link.unlink(missing_ok=True)
-            link.symlink_to(folder.name)
-            os.replace(link, self.out_dir / "checkpoint")  # the commit
-            for old in set(self.out_dir.glob("checkpoint-epoch*")) - {folder}:
-                shutil.rmtree(old)
+            try:
+                self.switch_link(folder)
+            except OSError as err:
+                link = self.out_dir / "checkpoint"
+                failed = (f"could not commit checkpoint {folder}: {why(err, folder)}; it is "
+                          f"complete: resume from it with --resume {folder}" + (
+                              f" ({link} still names {os.readlink(link)})"
+                              if link.is_symlink() else ""))
+            for old in set(self.out_dir.glob("checkpoint-*")) - {folder} if not failed else ():
+                if made_by_09(old):
+                    shutil.rmtree(old)
             common.log(self.run, f"checkpoint {folder.name}: {returned - started:.2f} s blocking "
                                  f"training, then {time.perf_counter() - returned:.2f} s in the "
                                  f"background")
-        dist.barrier()  # no rank goes on before the commit
+        said = [failed]
+        dist.broadcast_object_list(said, src=0)  # no rank goes on before the commit
+        if said[0]:
+            raise common.UserError(said[0])
+
+    def switch_link(self, folder) -> None:
+        """The commit: one atomic rename of a new link over the old. (A run folder copied with
+        `scp -r` holds a real folder named checkpoint: moved aside first, removed as old.)"""
+        link, temporary = self.out_dir / "checkpoint", self.out_dir / ".checkpoint.link"
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(folder.name)
+        if link.is_dir() and not link.is_symlink():
+            link.rename(self.out_dir / f"checkpoint-copied-{time.time_ns()}")
+        os.replace(temporary, link)  # the commit
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """.metadata is a pickle, and a pickle may name any function to call (os.system, say): here
+    it may name only what DCP's metadata is made of (torch's own reader runs anything)."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib._local", "PosixPath"), ("collections", "OrderedDict"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module, name):
+        found = getattr(sys.modules.get(module), name, None)
+        if ((module, name) in self.ALLOWED or isinstance(found, torch.dtype) or
+                module == "torch.distributed.checkpoint.metadata" and isinstance(found, type)):
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's reader, with .metadata read by MetadataUnpickler (the rest as torch does it)."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's planner; a saved value that is not a tensor (the epoch, the schedule) loads only if
+    it is plain data (torch itself loads it with weights_only=False, which runs code)."""
+
+    def load_bytes(self, read_item, value):
+        torch.load(value, weights_only=True)  # raises on anything but plain data
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def load(folder, model, optimizer, scheduler) -> dict:
@@ -95,10 +232,9 @@ def load(folder, model, optimizer, scheduler) -> dict:
     model_state, optim = get_state_dict(model, optimizer)  # this run's shard layout
     state = {"model": model_state, "optim": optim, "extra": {
         "epoch": 0, "position": dict(EPOCH_START), "scheduler": scheduler.state_dict()}}
-    dcp.load(state, checkpoint_id=folder)
+    dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    scheduler.load_state_dict(state["extra"]["scheduler"])
     return state["extra"]
 
 
@@ -107,9 +243,21 @@ def resume(path, run, model, optimizer, scheduler, settings):
     this rank's RNG state (when as many ranks wrote it: another world size draws otherwise)."""
     folder = path.resolve()
     saved = load(folder, model, optimizer, scheduler)
+    scheduler.load_state_dict(saved["scheduler"])
     position, ranks = saved["position"], len(list(folder.glob("rng-rank*.pt")))
-    rng = (torch.load(folder / f"rng-rank{run.rank}.pt", weights_only=True)
-           if position["step"] and ranks == run.world_size else None)
+    common.check_same_sample_order(saved_settings(folder), position, settings, folder)  # 07's
+    rng, failed, mine = None, None, folder / f"rng-rank{run.rank}.pt"
+    if position["step"] and ranks == run.world_size:
+        try:  # every rank reads its own; if one cannot, all stop (none waits for it)
+            rng = torch.load(mine, map_location="cpu", weights_only=True)
+            torch.Generator().set_state(rng["cpu"])  # one torch can set
+        except Exception as err:  # noqa: BLE001 -- empty, cut, not a random state, ...
+            failed = (f"{mine} is damaged or is not a random state; not loading it "
+                      f"({type(err).__name__}: {why(err)})")
+    everyone = [None] * run.world_size
+    dist.all_gather_object(everyone, failed)
+    if any(everyone):
+        raise common.UserError(next(reason for reason in everyone if reason))
     common.log(run, f"resumed from {folder} at step {position['step']} of epoch "
                     f"{saved['epoch'] + 1}")
     return saved["epoch"], position, rng
@@ -118,10 +266,13 @@ def resume(path, run, model, optimizer, scheduler, settings):
 def export(path, out, args) -> None:
     """`export --resume PATH`: the checkpoint as one plain checkpoint.pt, which a plain Net
     loads and `00_single_gpu.py --resume` evaluates. One process, no process group."""
+    for signum in common.STOP_SIGNALS:  # nothing to save: a stop signal ends it at once
+        signal.signal(signum, lambda n, _: common.end_now(n, f"{signal.Signals(n).name} received"))
     model = common.build_model(args, seed=args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.LRSchedule(optimizer)  # replaced by the saved one
     saved = load(path.resolve(), model, optimizer, scheduler)
+    LambdaLR.load_state_dict(scheduler, saved["scheduler"])  # as saved: copied, not converted
     out.parent.mkdir(parents=True, exist_ok=True)
     position = saved["position"]  # kept: 00-06 refuse to continue mid-epoch
     common.save_checkpoint(out, model, optimizer, scheduler, saved["epoch"],
@@ -223,13 +374,12 @@ def main():
     set_model_state_dict(model, common.build_model(args, seed=args.seed).state_dict()
                          if run.is_main else {}, options=StateDictOptions(
                              full_state_dict=True, broadcast_from_rank0=True))
-    memory_after_build = peak_memory_mib(run)  # (MiB)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
-    latest, settings = args.out_dir / "checkpoint", run_settings(args, plan, train_set)
+    latest, settings = args.out_dir / "checkpoint", run_settings(__file__, args, plan, train_set)
     # Any rank restarted: all resume (as in 07). --resume is for the first attempt: a restart
     # continues from what this run saved since, if it did.
-    if any_rank(run, restarted()):
+    if restarted(run):
         args.resume = own_checkpoint(latest, settings, run) or args.resume
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
@@ -290,8 +440,9 @@ def main():
     saving.finish()  # the last save, complete before the run ends
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(model, test_loader, run)
-    results.summary(__file__, args, plan, test, progress, nodes=nodes,  # + what each rank held
-                    **held_per_rank(model, optimizer, run, memory_after_build))
+    held = [None] * run.world_size  # what each rank holds of the parameters (a collective)
+    dist.all_gather_object(held, sum(p.to_local().numel() for p in model.parameters()))
+    results.summary(__file__, args, plan, test, progress, nodes=nodes, params_per_rank=held)
     dist.destroy_process_group()
 
 

@@ -16,6 +16,8 @@ from .flags import EPOCHS_LIMIT, STEPS_LIMIT, unreadable
 from .ranks import log
 
 REQUIRED = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int}
+# True while step 07, 08 or 09 runs (step07_fault_tolerance.around): they continue mid-epoch.
+CONTINUES_MID_EPOCH = False
 
 
 def load(path: Path) -> dict:
@@ -143,14 +145,14 @@ def check_values(saved: dict, path: Path) -> None:
                         f"{epoch * per_epoch + step}")
 
 
-def restore(path: Path, run, model, optimizer, scheduler, mid_epoch: bool = False) -> dict:
+def restore(path: Path, run, model, optimizer, scheduler) -> dict:
     """Load a checkpoint into the model, optimizer and scheduler; return it (its "epoch",
     the number of finished epochs, is where to continue). Steps 00-06 continue at an epoch's
-    start; one written in the middle of an epoch (by 07 or 08) is refused unless the caller can
-    continue there (mid_epoch=True): they would train the epoch's first steps again."""
+    start; one written in the middle of an epoch (by 07 or 08) is refused unless the step can
+    continue there (CONTINUES_MID_EPOCH): they would train the epoch's first steps again."""
     checkpoint = load(path)
     step = (checkpoint.get("position") or {}).get("step", 0)
-    if step and not mid_epoch:
+    if step and not CONTINUES_MID_EPOCH:
         raise UserError(f"checkpoint {path} was written at step {step} of epoch "
                         f"{checkpoint['epoch'] + 1}, in the middle of it: this step continues "
                         f"only from the end of an epoch, and would train those {step} steps "

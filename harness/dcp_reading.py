@@ -1,6 +1,6 @@
 """Reading step 09's DCP folders without running code, and DCP's failures in one line.
 
-Split from step09_dcp_checkpoint.py, which re-exports every name here. torch 2.14's DCP reads
+Used around step 09 (step09_dcp_checkpoint.py, which re-exports every name here). torch 2.14's DCP reads
 `.metadata` with plain `pickle.load`, and the non-tensor values of a state dict with
 `torch.load(weights_only=False)`: a replaced file would run whatever it holds. Every load goes
 through SafeReader and SafePlanner, which accept plain data and DCP's own classes only; a folder
@@ -80,20 +80,24 @@ class SafeReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner) -> Future:
-        """torch's read_data, one file at a time, so that a file that cannot be read (truncated,
-        overwritten, missing) is named: torch's own error says only what failed inside it."""
-        per_file: dict[str, list] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path,
-                                []).append(item)
-        for relative_path, items in per_file.items():
-            try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except Exception as err:  # noqa: BLE001 -- zip, pickle, I/O errors, ...
-                raise UnreadableFile(str(Path(self.path) / relative_path), why(err)) from None
-        done: Future = Future()
-        done.set_result(None)
-        return done
+        return read_by_file(self, plan, planner, FileSystemReader.read_data)
+
+
+def read_by_file(reader, plan: LoadPlan, planner, read) -> Future:
+    """torch's read_data (`read`), one file at a time, so that a file that cannot be read
+    (truncated, overwritten, missing) is named: torch's own error says only what failed."""
+    per_file: dict[str, list] = {}
+    for item in plan.items:
+        per_file.setdefault(reader.storage_data[item.storage_index].relative_path,
+                            []).append(item)
+    for relative_path, items in per_file.items():
+        try:
+            read(reader, dataclasses.replace(plan, items=items), planner).wait()
+        except Exception as err:  # noqa: BLE001 -- zip, pickle, I/O errors, ...
+            raise UnreadableFile(str(Path(reader.path) / relative_path), why(err)) from None
+    done: Future = Future()
+    done.set_result(None)
+    return done
 
 
 class OutsideFolder(ValueError):

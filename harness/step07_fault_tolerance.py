@@ -1,158 +1,45 @@
-"""The checked twins of step 07's restart mechanics (08 and 09 take them in too).
-
-take_in(step), before the step's main() runs, replaces its plain versions by these (same
-training, one-line failures): StopRequest (a second signal, or one before the first step, ends
-at once; a vote about once a second), ignore_stop_signals (SIGINT too), run_settings (the data's
-fingerprint, model, learning rate), own_checkpoint (only this run's: adopted), resume (checked
-reading, check_same_sample_order, settable random states); it refuses restarts without a fresh
-store (check_restart_store). The --out-dir lock (claim_out_dir) comes in with common.Metrics.
+"""What the harness checks around steps 07, 08 and 09 (their restart mechanics are their own,
+and common.py's): around(script) refuses restarts without a fresh store (check_restart_store),
+makes a stop signal that cannot wait for a checkpoint end as errors.run_main ends a signal's
+run (common.end_now, replaced while the step runs: one line, the watchdog), and lets the
+checked reading of common.restore_checkpoint continue a checkpoint written mid-epoch (07 and
+08 continue there; 00-06 refuse it). The --out-dir lock (claim_out_dir) comes in with
+common.Metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import functools
-import hashlib
-import itertools
 import os
-import signal
 import socket
-import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
 
-from . import checkpoint, data
-from .errors import STOP_SIGNALS, UserError, interrupt
-from .ranks import log
+import common
 
-EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
+from . import checkpoint, checkpoint_reading
+from .errors import UserError, interrupt
 
 
-class ResumableSampler(DistributedSampler):
-    """Step 02's sampler, able to start mid-epoch: it skips the samples a checkpoint covers
-    (the same seed and epoch give the same order, so they are the ones already trained on)."""
-
-    skip = 0
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-    def __len__(self):
-        return super().__len__() - self.skip
+def end_now(signum: int, why: str) -> None:
+    """common.end_now, checked: errors.run_main's one line and exit 128 + the signal's number,
+    ended by the watchdog within GRACE_S even when the main thread is blocked in C."""
+    raise interrupt(signum, why)
 
 
-class StopRequest:
-    """A stop signal means "stop soon": SLURM sends SIGTERM before it preempts a job or at the
-    time limit (USR1 or USR2 with --signal), and kills after KillWait (30 s by default);
-    torchrun forwards SIGTERM, SIGHUP and SIGQUIT (and those of --signals-to-handle) to its
-    workers and kills them after --shutdown-timeout (30 s). Stopping mid-step would leave nothing
-    to save, so the handler only takes note; about once a second the ranks vote, at the same step.
-
-    A request that cannot become a checkpoint ends the process at once (errors.Interrupted, exit
-    128 + the signal's number): one before the first vote (no step trained yet: nothing to save),
-    and a second one (whoever sends it twice means now). Ctrl-C (SIGINT) always ends at once.
-    "Second" means at least REPEAT_AFTER_S after the first: one preemption often arrives twice
-    within a second or two (SLURM signals every process of the job step, and torchrun forwards
-    the signal it got, once more when its own shutdown is interrupted by a second one; seen on
-    the two-node test cluster), and that repeat is the same request."""
-
-    REPEAT_AFTER_S = 5.0
-
-    def __init__(self):
-        self.requested = None  # the name of the signal that asked this rank to stop
-        self.requested_at = None
-        self.steps, self.next_vote, self.started = 0, 1, time.monotonic()
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._on_signal)
-
-    def _on_signal(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.requested:
-            if time.monotonic() - self.requested_at < self.REPEAT_AFTER_S:
-                return  # the same request, delivered twice
-            raise interrupt(signum, f"a second stop signal ({name} after {self.requested})")
-        if not self.steps:
-            raise interrupt(signum, f"{name} before the first training step")
-        self.requested, self.requested_at = name, time.monotonic()
-
-    @property
-    def reason(self) -> str:
-        return self.requested or "a stop signal to another rank"
-
-    def agreed(self, run) -> bool:
-        """Call after every step on every rank: True on all ranks if any rank was asked."""
-        self.steps += 1
-        if self.steps < self.next_vote:
-            return False
-        pace = self.steps / (time.monotonic() - self.started)  # steps per second so far
-        votes = torch.tensor([float(self.requested is not None), pace], device=run.device)
-        dist.all_reduce(votes)  # any request stops all; the mean pace times the next vote
-        self.next_vote = self.steps + max(1, int(votes[1] / run.world_size))  # in ~1 s
-        return bool(votes[0] > 0)
-
-
-def rng_state() -> dict:
-    """This process's random state: what dropout draws next (on the GPU, when there is one)."""
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # a CPU tensor too
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])  # CPU tensors: checkpoints load to the CPU
-    if "cuda" in state and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-# The settings that decide which samples the rest of an epoch trains, and in which order.
-SAMPLE_ORDER = ("step", "data", "train_samples", "seed", "global_batch")
-
-
-def run_settings(script: str, args, plan, train_set) -> dict:
-    """What makes a run the same run, recorded in every checkpoint: the step, the data (its
-    labels' fingerprint: MNIST and the synthetic digits differ) and its size, the seed, the
-    global batch, the model's shape and the learning rate, its scaling and warm-up. (Not the
-    world size: with the same global batch, any world size trains the same samples in the same
-    steps.)"""
-    labels = getattr(train_set, "labels", None)
-    fingerprint = (hashlib.sha1(labels.numpy().tobytes()).hexdigest()[:16]
-                   if labels is not None else "unknown")
-    return {"step": Path(script).name, "data": fingerprint, "train_samples": len(train_set),
-            "seed": args.seed, "global_batch": plan.global_batch, "width": args.width,
-            "dropout": args.dropout, "lr": args.lr, "lr_scaling": args.lr_scaling,
-            "warmup_steps": args.warmup_steps}
-
-
-def differences(saved, current: dict, keys) -> list[str]:
-    """`seed 0 -> 1` for each setting in `keys` that differs."""
-    if not isinstance(saved, dict):
-        return ["settings (the checkpoint does not record them)"]
-    return [f"{key} {saved.get(key)!r} -> {current[key]!r}" for key in keys
-            if saved.get(key) != current[key]]
-
-
-def own_checkpoint(latest: Path, settings: dict, run) -> Path | None:
-    """The checkpoint a restarted run continues from: `latest` if this run's settings wrote it.
-    Another run's checkpoint in the same --out-dir (a finished one, say) is left alone: adopting
-    it would report that run's results under this run's flags."""
-    if not latest.is_file():
-        return None
-    return adopted(latest, checkpoint.load(latest).get("run"), settings, run)
-
-
-def adopted(latest: Path, saved: dict | None, settings: dict, run) -> Path | None:
-    """`latest` if the settings `saved` with it are this run's; else None, and a line why (and
-    what then happens to it: this run's first save replaces it, as a fresh run's does)."""
-    differ = differences(saved, settings, settings)
-    if differ:
-        log(run, f"not resuming from {latest}: another run wrote it ({', '.join(differ)}); "
-                 f"starting afresh: this run's first checkpoint replaces it")
-        return None
-    return latest
+@contextlib.contextmanager
+def around(script: Path):
+    """Before step 07's (or 08's, 09's) main(): the store check; while it runs, the checked
+    end_now and mid-epoch reading."""
+    check_restart_store()  # before anything: a restarted group must not meet at a stale store
+    saved = common.end_now, checkpoint_reading.CONTINUES_MID_EPOCH
+    common.end_now, checkpoint_reading.CONTINUES_MID_EPOCH = end_now, True
+    try:
+        yield
+    finally:
+        common.end_now, checkpoint_reading.CONTINUES_MID_EPOCH = saved
 
 
 _out_dir_lock = None  # the lock's descriptor, open for the life of the process: closing unlocks
@@ -228,38 +115,6 @@ def lock_for_life(path: Path) -> str | None:
     return None
 
 
-def check_same_sample_order(saved: dict, settings: dict, path: Path) -> None:
-    """A checkpoint from the middle of an epoch records how many steps of it were trained; the
-    rest of the epoch is the rest of the same shuffled order only with the same data, seed and
-    global batch. Anything else would skip some samples and train others twice: refuse, naming
-    what differs. (At an epoch's end any setting may change: the next epoch starts afresh.)"""
-    if not saved.get("position"):
-        return
-    differ = differences(saved.get("run"), settings, SAMPLE_ORDER)
-    if differ:
-        raise UserError(f"checkpoint {path} was written in the middle of an epoch, by a run "
-                        f"with other settings ({', '.join(differ)}): continuing it would skip "
-                        f"some samples and repeat others. Resume with that run's settings, or "
-                        f"from a checkpoint written at the end of an epoch")
-
-
-def ignore_stop_signals(worker_id):
-    """DataLoader workers get SLURM's SIGTERM (and a terminal's Ctrl-C) too, and one dying of it
-    would fail its rank before the rank can save: they ignore the stop signals and SIGINT, and
-    end with their rank (errors.run_main kills them; a rank killed outright leaves workers that
-    notice within seconds and exit)."""
-    data.seed_worker(worker_id)
-    for signum in (signal.SIGINT, *STOP_SIGNALS):
-        signal.signal(signum, signal.SIG_IGN)
-
-
-
-def restarted() -> bool:
-    """True in a group that torchrun restarted or a job that SLURM requeued."""
-    return any(int(os.environ.get(name, 0)) > 0
-               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-
-
 def check_restart_store() -> None:
     """torchrun --max-restarts restarts the group, and by default the new group meets at the
     same store as the dead one (hosted by node 0's agent), where the dead group's addresses are
@@ -271,28 +126,3 @@ def check_restart_store() -> None:
         raise UserError("torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
                         "torchrun's environment, or a restarted group reads the dead group's "
                         "addresses and cannot connect (pytorch/pytorch#135712)")
-
-
-def resume(path: Path, run, model, optimizer, scheduler, settings: dict):
-    """07's resume(), checked: the epoch to continue, the position in it, this rank's RNG."""
-    saved = checkpoint.restore(path, run, model, optimizer, scheduler, mid_epoch=True)
-    return continue_from(saved, settings, path, run)
-
-
-def continue_from(saved: dict, settings: dict, path: Path, run):
-    """Where a loaded checkpoint continues (07, 08): checked to be the same sample order."""
-    check_same_sample_order(saved, settings, path)
-    position = saved.get("position") or {"step": 0, "loss_sum": 0.0, "samples": 0}
-    states = saved.get("rng") or []
-    rng = states[run.rank] if position["step"] and len(states) == run.world_size else None
-    log(run, f"resumed at step {position['step']} of epoch {saved['epoch'] + 1}")
-    return saved["epoch"], position, rng
-
-
-def take_in(step: dict) -> None:
-    """Replace the plain restart mechanics of step 07 (or 08, 09) by the checked ones above."""
-    check_restart_store()  # before anything: a restarted group must not meet at a stale store
-    step.update(StopRequest=StopRequest, ignore_stop_signals=ignore_stop_signals,
-                set_rng_state=set_rng_state, rng_state=rng_state, restarted=restarted,
-                run_settings=functools.partial(run_settings, step["__file__"]),
-                own_checkpoint=own_checkpoint, resume=resume)

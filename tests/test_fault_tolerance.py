@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import common
 from harness import checkpoint
-from harness import step07_fault_tolerance as fault_tolerance
 from harness import step09_dcp_checkpoint as dcp_checkpoint
 from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, base_env,
                       copied_run_killed_at_step_27, max_difference, rank_params, read_summary,
@@ -155,20 +155,20 @@ def test_what_a_checkpoint_restores_lands_on_the_cpu_first(tmp_path, monkeypatch
     loader that puts whatever is not asked for on the CPU on "meta" stands in for a GPU: 07's
     and 09's loads must still give RNG states that set."""
     path, state = saved_checkpoint(tmp_path)
-    checkpoint.save(path, *state, 1, rng=[fault_tolerance.rng_state()])  # as 07 saves them
-    torch.save(fault_tolerance.rng_state(), tmp_path / "rng-rank0.pt")  # as 09 saves them
+    checkpoint.save(path, *state, 1, rng=[common.rng_state()])  # as 07 saves them
+    torch.save(common.rng_state(), tmp_path / "rng-rank0.pt")  # as 09 saves them
     real_load = torch.load
 
     def elsewhere_unless_cpu(f, map_location=None, **kwargs):
         return real_load(f, map_location="cpu" if map_location == "cpu" else "meta", **kwargs)
 
     monkeypatch.setattr(torch, "load", elsewhere_unless_cpu)
-    fault_tolerance.set_rng_state(checkpoint.load(path)["rng"][0])
-    fault_tolerance.set_rng_state(dcp_checkpoint.rng_state(tmp_path, SimpleNamespace(
-        world_size=1, rank=0, is_main=True)))
+    torch.set_rng_state(checkpoint.load(path)["rng"][0]["cpu"])
+    torch.set_rng_state(dcp_checkpoint.rng_state(tmp_path, SimpleNamespace(
+        world_size=1, rank=0, is_main=True))["cpu"])
     # ...and the loader does stand in: without map_location="cpu" the same state cannot be set.
     with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):
-        fault_tolerance.set_rng_state(torch.load(tmp_path / "rng-rank0.pt", weights_only=True))
+        torch.set_rng_state(torch.load(tmp_path / "rng-rank0.pt", weights_only=True)["cpu"])
 
 
 def test_an_epoch_too_short_for_ddp_to_report_its_buckets_still_saves(tmp_path):

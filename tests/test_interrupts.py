@@ -11,6 +11,7 @@ joined them forever).
   a checkpoint, then exit 75.
 """
 
+import importlib
 import os
 import signal
 import subprocess
@@ -21,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from harness import checkpoint
-from harness import step07_fault_tolerance as fault_tolerance
 import conftest
 from conftest import REPO, base_env, children, descendants, environment, launch, torchrun_cmd
 
@@ -219,7 +219,7 @@ def test_a_second_sigterm_ends_the_process_at_once(tmp_path):
     proc.send_signal(signal.SIGTERM)  # a repeat within StopRequest.REPEAT_AFTER_S: the same one
     time.sleep(1)
     assert proc.poll() is None, read(proc)
-    time.sleep(fault_tolerance.StopRequest.REPEAT_AFTER_S)
+    time.sleep(importlib.import_module("07_fault_tolerance").StopRequest.REPEAT_AFTER_S)
     proc.send_signal(signal.SIGTERM)
     output = finish(proc)
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
