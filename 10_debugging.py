@@ -12,7 +12,7 @@ Run it (any --nproc-per-node from 2; on GPUs, one per GPU):
 
 Look for: each --bug run ends non-zero within --timeout (10 s here) plus a few seconds; each
 failed rank prints torch's error, where it was and its Flight Recorder file. In the repository,
-harness/step10_debugging.py adds every rank's state and a one-line diagnosis: docs/debugging.md.
+harness/step10_debugging.py then adds every rank's state and a diagnosis line: docs/debugging.md.
 """
 
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
@@ -57,8 +57,7 @@ def setup(args):
     in torch 2.14.1 and 2.15.0 (a segmentation fault while DDP is built). So the default group,
     which DDP uses, is created with DETAIL off and `checked` with DETAIL on: DETAIL checks our
     collectives, the Flight Recorder sees DDP's."""
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -73,6 +72,8 @@ def setup(args):
                             device_id=device if device.type == "cuda" else None)
     dist.set_debug_level_from_env()  # torch.distributed read the variable when imported
     checked = dist.new_group(backend=backend, timeout=timeout)
+    if device.type == "cuda" and hasattr(dist.group.WORLD, "_get_backend"):  # torch 2.15's "nccl"
+        backend = dist.group.WORLD._get_backend(device).name()  # is "nccl2" (private: looked up)
     return common.Run(device, rank, local_rank, world_size, backend=backend), checked
 
 
@@ -176,37 +177,39 @@ def watch(run, progress, args) -> None:
 
 def save_flight_record(rank: int, folder: Path) -> str:
     """This rank's Flight Recorder buffer (its last collectives, completed or not) as a file
-    for torch's analyser. The buffer has no public reader: a private function, looked up.
-    gloo names the default group '' in pg_config but '0' in its entries (the analyser then
-    stops, KeyError ('0', 1)), and a DETAIL-wrapped group '': DDP's group is kept, named '0'.
-    (Under NCCL, DDP's entries are in NCCL's own buffer: harness/step10_diagnosis.py.)"""
+    for torch's analyser (no public reader: a private function, looked up). gloo names the
+    default group '' in pg_config but '0' in its entries (fr_trace: KeyError ('0', 1)), and a
+    DETAIL-wrapped group '': DDP's group is kept, named '0'. (NCCL: harness/step10_diagnosis.py)"""
     dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
     if dump is None:
         return f"none: torch {torch.__version__} has no _dump_fr_trace"
     record = pickle.loads(dump(includeStackTraces=False))
     record["entries"] = [e for e in record.get("entries", []) if e["process_group"][0] == "0"]
     record["pg_config"] = {"0": {**record.get("pg_config", {}).get("", {}), "desc": "default_pg"}}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"rank{rank}").write_bytes(pickle.dumps(record))
+    try:  # whole or not at all (fr_trace cannot read half a file); a full disk is a line
+        folder.mkdir(parents=True, exist_ok=True)
+        common.save_atomically(folder / f"rank{rank}",
+                               lambda path: path.write_bytes(pickle.dumps(record)))
+    except OSError as err:
+        return f"not written ({err.strerror or err})"
     return str(folder / f"rank{rank}")
 
 
 def report_failure(err, run, args, progress) -> None:
     """A collective raised (gloo; NCCL with blocking wait): torch's error, where this rank was,
     its Flight Recorder file. Never returns: a gloo group whose collective failed cannot be
-    destroyed cleanly, so leave at once."""
+    destroyed cleanly, so leave at once (common.leave_at_once: os._exit, no teardown)."""
     ours = [f for f in traceback.extract_tb(err.__traceback__)
             if Path(f.filename).name == Path(__file__).name]
     where = f"{Path(__file__).name}:{ours[-1].lineno} in {ours[-1].name}" if ours else "?"
     message = (str(err).strip() or type(err).__name__).splitlines()[0]  # torch's own line
-    print(f"rank {run.rank}: {message}", flush=True)
-    print(f"rank {run.rank}: failed at {where} after {progress['steps']} training steps",
-          flush=True)
+    print(f"rank {run.rank}: {message}\nrank {run.rank}: failed at {where} after "
+          f"{progress['steps']} training steps", flush=True)
     folder = args.out_dir / "flight_recorder"
     print(f"rank {run.rank}: Flight Recorder record: {save_flight_record(run.rank, folder)}; "
           f"read every rank's: python -m torch.distributed.flight_recorder.fr_trace {folder}",
           flush=True)
-    os._exit(EXIT_HANG)
+    common.leave_at_once(EXIT_HANG)
 
 
 def check_the_bug_shows(args, world_size: int) -> None:
@@ -226,9 +229,8 @@ def check_the_bug_shows(args, world_size: int) -> None:
 
 
 def sized_for(args, n: int) -> None:
-    """Small and quick: each bug shows within seconds (a CPU laptop, 2 processes). Sized for N
+    """Small and quick, on the synthetic digits unless --data is given (no download). Sized for N
     ranks: 8 samples per rank and step, 4 steps per rank, and one sample more for rank 0."""
-    args.data = args.data or "auto"  # MNIST, downloaded into --data-dir
     args.train_samples = args.train_samples or 32 * n + 1
     args.test_samples = args.test_samples or 10 * n + 1
     if args.batch_per_rank is None:
@@ -248,7 +250,7 @@ def main():
     parser.add_argument("--stop-at-loss", type=float, default=10.0, metavar="LOSS",
                         help="stop early once the mean training loss is below LOSS "
                              "(default 10: after the first epoch)")
-    parser.set_defaults(timeout=10, data=None, batch_size=None, epochs=2, quiet=True)
+    parser.set_defaults(timeout=10, data="synthetic", batch_size=None, epochs=2, quiet=True)
     args = parser.parse_args()
     if args.lr_scaling != "none":  # a shared flag, but this step has no learning-rate schedule
         parser.error("--lr-scaling: 10_debugging.py trains at a fixed --lr (steps 00-09 scale)")

@@ -1,29 +1,26 @@
 """Step 10 in the repository: every rank's state after a failed collective, turned into one
-diagnosis line, and the Flight Recorder's files for torch's analyser.
+diagnosis line, and the Flight Recorder's files for torch's analyser, around 10's main().
 
-A failed collective raises only on the ranks that were in it (gloo; NCCL with
-TORCH_NCCL_BLOCKING_WAIT=1, which step 10 sets), and nothing at all happens on a rank that is
-elsewhere. So every rank runs a small thread here that waits for a request in the store (the
-key/value server every process group already has) and then publishes its state: its Flight
-Recorder's last collectives, its step count and the line its main thread is on. A rank that
-leaves early publishes its last state on the way out. step10_diagnosis.py reads the states.
-
-take_in(step) replaces these of the step's own functions (the step's plain ones print what
-torch's tools say on each failed rank, and run copied out):
-- setup: checks --out-dir has room first (the records go there: a full disk is one line before
-  any work), and names the backend that carries DDP's collectives (nccl2 or legacy nccl);
-- sized_for: the built-in synthetic digits unless --data is given (no download, no wait for
-  the network: the same samples on every machine, as the tests and docs/debugging.md show);
-- watch: starts the thread above (it also says where a rank waits, through py-spy);
-- all_test_losses: the same, then leaves this rank's last state for ranks still waiting;
-- report_failure: every rank's state, each tool's finding, the files, the diagnosis line.
+10_debugging.py runs unchanged here (and copied out, without this module): around(script),
+entered by errors.run_main, replaces none of its functions. For the time of main() it replaces
+common.parser (then a full --out-dir is one line before any work: the records go there) and
+common.leave_at_once (where a rank whose collective failed ends, after its own lines), and
+registers torch's global forward pre-hook (each forward of the DDP model in training is a step).
+At the first step it starts a thread on each rank that waits for a request in the store (the
+key/value server every process group has) and then publishes the rank's state: its Flight
+Recorder's last collectives, its steps and the line its main thread is on; it also says, once,
+where a rank waits (py-spy). A failed collective raises only on the ranks that were in it, so
+the first rank to fail asks the others, waits for theirs, and prints each tool's finding, the
+files and the diagnosis line. A rank whose main() returned leaves its last state on the way out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -33,26 +30,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
 
 from .checkpoint import check_room
-from .errors import report
+from .errors import UserError
 from .step10_diagnosis import (absent_ranks, analyser_command, as_it_waited, describe,
                                detail_fingerprint, diagnose, flight_record, last_collectives,
                                pending_collective, serving_backend, short, write_fr_dumps)
-
-if not hasattr(dist.distributed_c10d, "_get_default_store"):  # nothing to ask the ranks through
-    report(f"10_debugging.py needs torch.distributed.distributed_c10d._get_default_store(), "
-           f"which this torch ({torch.__version__}) does not have")
-    sys.exit(2)
+from .watchdog import exit_at_once
 
 REQUEST, REPORTER, REPORTED = "debug10/request", "debug10/reporter", "debug10/reported"
+LEFT = "debug10/left/"  # + a rank: it has seen the report and ends (see report_failure)
 POLL_SECONDS = 0.2
 EXIT_HANG = 3  # the exit code of a run whose collective failed (as in errors.py and step 10)
-
-
-def store():
-    """The process group's key/value store (torchrun's agent hosts it: it outlives the ranks)."""
-    return dist.distributed_c10d._get_default_store()
+FINAL_STATES_SECONDS = 5  # how long the reporter waits for every rank's own failure
 
 
 def where(frames, script: str) -> str:
@@ -69,11 +63,6 @@ def main_thread_stack() -> traceback.StackSummary:
     return traceback.extract_stack(sys._current_frames()[threading.main_thread().ident])
 
 
-def main_thread_line(script: str) -> str:
-    """Where the main thread is right now (what `py-spy dump` shows, for Python frames)."""
-    return where(main_thread_stack(), script)
-
-
 def waiting_in_torch(stack) -> bool:
     """The main thread is inside a collective or a backward (where DDP waits for its
     all-reduces) or waits for its GPU (wait_until_done), not in our own code."""
@@ -81,74 +70,6 @@ def waiting_in_torch(stack) -> bool:
         part in stack[-1].filename for part in ("torch/distributed", "torch/autograd")))
 
 
-# ---------------------------------------------------------------- publishing and collecting
-def publish(rank: int, state: dict) -> None:
-    store().set(f"debug10/state/{rank}", json.dumps(state))
-
-
-def collect(world_size: int, wait_seconds: float) -> dict[int, dict]:
-    """Every rank's published state that arrives within `wait_seconds` (a crashed rank's never
-    does). JSON, not pickle: nothing read from outside this process can run code."""
-    states, deadline = {}, time.monotonic() + wait_seconds
-    while len(states) < world_size and time.monotonic() < deadline:
-        for rank in range(world_size):
-            key = f"debug10/state/{rank}"
-            if rank not in states and store().check([key]):
-                states[rank] = json.loads(store().get(key))
-        time.sleep(POLL_SECONDS)
-    return states
-
-
-def elect_reporter() -> bool:
-    """True on the first rank to fail: that one prints the diagnosis, once for everybody."""
-    return store().add(REPORTER, 1) == 1
-
-
-def wait_for_report(seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not store().check([REPORTED]):
-        time.sleep(POLL_SECONDS)
-
-
-class Watcher(threading.Thread):
-    """Publishes this rank's state when another rank asks (or, through stop(), on the way out),
-    and says once where the main thread is when it has waited in torch for `notice_after` s.
-
-    `state()` is called in this thread; it must only read (the main thread may be stuck)."""
-
-    def __init__(self, rank: int, state, script: str, notice_after: float):
-        super().__init__(name="debug10-watcher", daemon=True)
-        self.rank, self.state, self.script = rank, state, script
-        self.notice_after, self.stopping = notice_after, threading.Event()
-        self.stuck = None  # the state taken once the main thread had waited notice_after s
-
-    def run(self):
-        line, since, taken, noticed = None, time.monotonic(), False, False
-        while not self.stopping.wait(POLL_SECONDS):
-            if store().check([REQUEST]):
-                publish(self.rank, as_it_waited(self.stuck, self.state()))
-                return
-            stack = main_thread_stack()
-            if where(stack, self.script) != line or not waiting_in_torch(stack):
-                line, since, taken = where(stack, self.script), time.monotonic(), False
-            elif not taken and time.monotonic() - since > self.notice_after:
-                taken, self.stuck = True, self.state()  # its record while it waits
-                if not noticed:  # a hang in progress: the outside view, once
-                    noticed = True
-                    print(f"[py-spy] rank {self.rank} (pid {os.getpid()}) has waited "
-                          f"{self.notice_after:g} s at {line}; py-spy dump --pid "
-                          f"{os.getpid()}: {py_spy(os.getpid(), self.script)}", flush=True)
-
-    def stop(self, publish_last_state: bool = True):
-        """End the thread; leave this rank's last state in the store for any rank still
-        waiting (a rank that finished early is gone by the time the others fail)."""
-        self.stopping.set()
-        self.join()
-        if publish_last_state:
-            publish(self.rank, self.state())
-
-
-# ---------------------------------------------------------------- the optional outside view
 def py_spy(pid: int, script: str) -> str:
     """The line `py-spy dump --pid` finds the process on, or why there is none. py-spy reads
     another process's memory with ptrace: root or the same user, and in containers the
@@ -168,83 +89,208 @@ def py_spy(pid: int, script: str) -> str:
     return lines[0] if lines else f"no frame in {name} (the process is not in it)"
 
 
-# ---------------------------------------------------------------- the step's twins
-def rank_state(run, progress, script: str, err=None) -> dict:
-    """What this rank tells the others: its steps, its Flight Recorder record, its line."""
-    record = flight_record()
-    message = str(err) if err is not None else ""
-    return {"rank": run.rank, "pid": os.getpid(), "host": run.hostname,
-            "steps": progress["steps"], "record": record,
-            "last": last_collectives(record), "pending": pending_collective(record),
-            "where": (where(traceback.extract_tb(err.__traceback__), script)
-                      if err is not None else main_thread_line(script)),
-            "error": message.strip().splitlines()[0] if message.strip() else None,
-            "detail": detail_fingerprint(message), "absent": absent_ranks(message)}
+class Watcher(threading.Thread):
+    """Publishes this rank's state when another rank asks, then ends the process once the
+    report is out (its main thread may still wait in a collective: ended now, it prints
+    nothing after the diagnosis); says once where the main thread is when it has waited in
+    torch for `notice_after` s. It only reads (the main thread may be stuck)."""
+
+    def __init__(self, me: ThisRank, notice_after: float):
+        super().__init__(name="debug10-watcher", daemon=True)
+        self.me, self.notice_after, self.stopping = me, notice_after, threading.Event()
+        self.stuck = None  # the state taken once the main thread had waited notice_after s
+
+    def run(self):
+        me, script = self.me, self.me.script
+        line, since, taken, noticed, answered = None, time.monotonic(), False, False, False
+        while not self.stopping.wait(POLL_SECONDS):
+            if answered:  # its state is out: the process ends with the report
+                if me.store.check([REPORTED]):
+                    me.leave(EXIT_HANG)
+                continue
+            if me.store.check([REQUEST]):
+                me.publish(as_it_waited(self.stuck, me.state()))
+                answered = True
+                continue
+            stack = main_thread_stack()
+            if where(stack, script) != line or not waiting_in_torch(stack):
+                line, since, taken = where(stack, script), time.monotonic(), False
+            elif not taken and time.monotonic() - since > self.notice_after:
+                taken, self.stuck = True, me.state()  # its record while it waits
+                if not noticed:  # a hang in progress: the outside view, once
+                    noticed = True
+                    print(f"[py-spy] rank {me.rank} (pid {os.getpid()}) has waited "
+                          f"{self.notice_after:g} s at {line}; py-spy dump --pid "
+                          f"{os.getpid()}: {py_spy(os.getpid(), script)}", flush=True)
+
+    def stop(self):
+        self.stopping.set()
+        self.join(timeout=5)  # (a store that stopped answering must not hold the exit)
 
 
-def report_failure(err, run, args, progress, watcher: Watcher, script: str) -> None:
-    """A collective raised: say what each tool found, then one diagnosis line; never returns
-    (a gloo group whose collective failed cannot be destroyed cleanly: leave at once)."""
-    watcher.stop(publish_last_state=False)
-    if store().check([REPORTED]):  # the diagnosis is out and its reporter gone:
-        os._exit(EXIT_HANG)  # this rank's error ("closed by peer") is that, not news
-    state = as_it_waited(watcher.stuck, rank_state(run, progress, script, err))
-    # Which tool spoke: DETAIL's checks (on `checked`), or the backend itself (gloo, nccl).
-    from_detail = (state["detail"] or state["absent"]
-                   or "monitoredBarrier" in (state["error"] or ""))
-    tool = "TORCH_DISTRIBUTED_DEBUG=DETAIL" if from_detail else run.backend
-    print(f"[{tool}] rank {run.rank}: {short(state['error'])}", flush=True)
-    publish(run.rank, state)
-    store().set(REQUEST, "1")  # the other ranks' watchers publish theirs now
-    if not elect_reporter():  # the first rank to fail reports for everyone
-        wait_for_report(seconds=10)
-        os._exit(EXIT_HANG)
-    states = collect(run.world_size, wait_seconds=5)
-    for rank, s in sorted(states.items()):
-        groups = "; ".join(f"{name} {describe(c)}{'' if c['done'] else ' NOT completed'}"
-                           for name, c in s["last"].items())
-        print(f"[Flight Recorder] rank {rank} ({s['steps']} steps, at {s['where']}): last "
-              f"collectives: {groups or 'none'}", flush=True)
-    folder = args.out_dir / "flight_recorder"
-    unwritten = write_fr_dumps(folder, {r: s["record"] for r, s in states.items()})
-    print(f"[Flight Recorder] records not written: {unwritten}" if unwritten else
-          f"[Flight Recorder] records written: {analyser_command(folder)}", flush=True)
-    for rank, s in sorted(states.items()):
-        if s["host"] == run.hostname and s["error"] is None:  # still stuck, on this machine
-            print(f"[py-spy] rank {rank} (pid {s['pid']}): {py_spy(s['pid'], script)}",
-                  flush=True)
-    print(f"diagnosis: {diagnose(states, run.world_size)}", flush=True)
-    store().set(REPORTED, "1")
-    os._exit(EXIT_HANG)
+class ThisRank:
+    """What around() sees of this rank in one run of 10: its flags (common.parser), its steps
+    (torch's forward pre-hook) and its group's store, kept (it outlives the group: torchrun's
+    agent hosts it). Nothing here replaces a function of the step."""
+
+    def __init__(self, script: Path):
+        self.script, self.args, self.steps, self.plain = str(script), None, 0, {}
+        self.store = self.rank = self.world_size = self.backend = self.watcher = None
+        self.host = socket.gethostname()
+
+    @contextlib.contextmanager
+    def installed(self):
+        """common's two functions replaced, torch's forward pre-hook registered; all undone on
+        the way out."""
+        self.plain = {name: getattr(common, name) for name in ("parser", "leave_at_once")
+                      if hasattr(common, name)}  # (a common.py without leave_at_once: no report)
+        for name in self.plain:
+            setattr(common, name, getattr(self, name))
+        handle = register_module_forward_pre_hook(self.before_forward)
+        try:
+            yield
+        finally:
+            handle.remove()
+            for name, function in self.plain.items():
+                setattr(common, name, function)
+            if self.watcher is not None:
+                self.watcher.stop()
+
+    # ------------------------------------------------------------ common's functions, checked
+    def parser(self, *args, **kwargs):
+        parser = self.plain["parser"](*args, **kwargs)
+        parse = parser.parse_args
+
+        def parse_args(*args, **kwargs):  # then the --out-dir: a full disk is one line now
+            self.args = parse(*args, **kwargs)
+            check_room(self.args.out_dir)
+            return self.args
+
+        parser.parse_args = parse_args
+        return parser
+
+    def leave_at_once(self, code: int) -> None:
+        """The step's own lines are out; a failed collective (the error the step is handling)
+        gets every rank's state and the diagnosis first."""
+        err = sys.exc_info()[1]
+        if isinstance(err, RuntimeError) and self.watcher is not None:
+            self.report_failure(err, code)
+        self.plain["leave_at_once"](code)
+
+    # ------------------------------------------------------------ torch's global hook
+    def before_forward(self, module, inputs) -> None:
+        if not (isinstance(module, DDP) and module.training):
+            return
+        self.steps += 1  # (as the step counts: a step begun)
+        if self.watcher is None:  # the first step: the group is up, the model built
+            self.store = dist.distributed_c10d._get_default_store()
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.backend = serving_backend()  # "gloo", "nccl2" or "nccl" (legacy)
+            timeout = self.args.timeout if self.args is not None else 10
+            self.watcher = Watcher(self, notice_after=timeout / 2)
+            self.watcher.start()
+
+    # ------------------------------------------------------------ the states
+    def state(self, err=None, final=False) -> dict:
+        """What this rank tells the others: its steps, its Flight Recorder record, its line;
+        `final` once it will change no more (failed, or main() returned)."""
+        record = flight_record(self.backend)
+        message = str(err) if err is not None else ""
+        line = (where(traceback.extract_tb(err.__traceback__), self.script) if err is not None
+                else where(main_thread_stack(), self.script))
+        return {"rank": self.rank, "pid": os.getpid(), "host": self.host, "steps": self.steps,
+                "record": record, "last": last_collectives(record),
+                "pending": pending_collective(record), "where": line, "final": final,
+                "error": message.strip().splitlines()[0] if message.strip() else None,
+                "detail": detail_fingerprint(message), "absent": absent_ranks(message)}
+
+    def publish(self, state: dict) -> None:
+        self.store.set(f"debug10/state/{self.rank}", json.dumps(state))
+
+    def collect(self) -> dict[int, dict]:
+        """Every rank's state: each one's final state (its own failure, after its own lines)
+        where it comes within FINAL_STATES_SECONDS, else what its watcher published; a crashed
+        rank's never comes. JSON, not pickle: nothing read from outside can run code."""
+        states, deadline = {}, time.monotonic() + FINAL_STATES_SECONDS
+        while True:
+            for rank in range(self.world_size):
+                key = f"debug10/state/{rank}"
+                if not (rank in states and states[rank]["final"]) and self.store.check([key]):
+                    states[rank] = json.loads(self.store.get(key))
+            if (len(states) == self.world_size and all(s["final"] for s in states.values())
+                    or time.monotonic() > deadline):
+                return states
+            time.sleep(POLL_SECONDS)
+
+    def leave(self, code: int) -> None:
+        """End now, once the report is out; the reporter waits for the ranks it found waiting."""
+        self.store.set(f"{LEFT}{self.rank}", "1")
+        exit_at_once(code)
+
+    def finished(self) -> None:
+        """main() returned: this rank's last state stays in the store for any rank still
+        waiting (a rank that finished early is gone by the time the others fail)."""
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.publish({**self.state(final=True),
+                          "where": f"the end of {Path(self.script).name} (main() returned)"})
+
+    # ------------------------------------------------------------ after a failed collective
+    def report_failure(self, err: RuntimeError, code: int) -> None:
+        """Say which tool spoke, then (the first rank to fail) every rank's state, the files
+        and the diagnosis line; never returns (see the step's report_failure)."""
+        self.watcher.stop()
+        if self.store.check([REPORTED]):  # the diagnosis is out (this rank's error, if its
+            self.leave(code)  # reporter is gone, "closed by peer", is that: not news)
+        state = as_it_waited(self.watcher.stuck, self.state(err, final=True))
+        # Which tool spoke: DETAIL's checks (on `checked`), or the backend itself (gloo, nccl).
+        from_detail = (state["detail"] or state["absent"]
+                       or "monitoredBarrier" in (state["error"] or ""))
+        tool = "TORCH_DISTRIBUTED_DEBUG=DETAIL" if from_detail else self.backend
+        print(f"[{tool}] rank {self.rank}: {short(state['error'])}", flush=True)
+        self.publish(state)
+        self.store.set(REQUEST, "1")  # the other ranks' watchers publish theirs now
+        if self.store.add(REPORTER, 1) != 1:  # the first rank to fail reports for everyone
+            deadline = time.monotonic() + FINAL_STATES_SECONDS + 25  # (py-spy: 20 s at most)
+            while time.monotonic() < deadline and not self.store.check([REPORTED]):
+                time.sleep(POLL_SECONDS)
+            self.leave(code)
+        states = self.collect()
+        self.print_report(states)
+        self.store.set(REPORTED, "1")
+        # Ranks still waiting (their watcher answered) end now; leaving before them would
+        # break their collective, and they would print their own lines after the diagnosis.
+        waiting = [f"{LEFT}{rank}" for rank, s in states.items() if not s["final"]]
+        deadline = time.monotonic() + 2
+        while waiting and not self.store.check(waiting) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS / 4)
+        exit_at_once(code)
+
+    def print_report(self, states: dict[int, dict]) -> None:
+        for rank, s in sorted(states.items()):
+            groups = "; ".join(f"{name} {describe(c)}{'' if c['done'] else ' NOT completed'}"
+                               for name, c in s["last"].items())
+            print(f"[Flight Recorder] rank {rank} ({s['steps']} steps, at {s['where']}): last "
+                  f"collectives: {groups or 'none'}", flush=True)
+        out_dir = self.args.out_dir if self.args is not None else Path("runs/10_debugging")
+        folder = out_dir / "flight_recorder"
+        unwritten = write_fr_dumps(folder, {r: s["record"] for r, s in states.items()})
+        print(f"[Flight Recorder] records not written: {unwritten}" if unwritten else
+              f"[Flight Recorder] records written: {analyser_command(folder)}", flush=True)
+        for rank, s in sorted(states.items()):
+            if s["host"] == self.host and not s["final"]:  # still stuck, on this machine
+                print(f"[py-spy] rank {rank} (pid {s['pid']}): {py_spy(s['pid'], self.script)}",
+                      flush=True)
+        print(f"diagnosis: {diagnose(states, self.world_size)}", flush=True)
 
 
-def take_in(step: dict) -> None:
-    """Replace step 10's plain functions by the ones above (this module's docstring says why)."""
-    script, plain = step["__file__"], dict(step)
-    watchers = []  # this rank's one watcher, once watch() has started it
-
-    def setup(args):
-        check_room(args.out_dir)  # where the records go: a full disk is one line now
-        run, checked = plain["setup"](args)
-        run.backend = serving_backend()  # "nccl2" or "nccl" (legacy) under NCCL
-        return run, checked
-
-    def sized_for(args, n):
-        args.data = args.data or "synthetic"
-        plain["sized_for"](args, n)
-
-    def watch(run, progress, args):
-        watchers.append(Watcher(run.rank, lambda: rank_state(run, progress, script), script,
-                                notice_after=args.timeout / 2))
-        watchers[0].start()
-
-    def all_test_losses(losses, run, checked, args):
-        everyone = plain["all_test_losses"](losses, run, checked, args)
-        watchers[0].stop()  # its last state stays, for a rank that may still fail
-        return everyone
-
-    def report_failure_(err, run, args, progress):
-        report_failure(err, run, args, progress, watchers[0], script)
-
-    step.update(setup=setup, sized_for=sized_for, watch=watch, all_test_losses=all_test_losses,
-                report_failure=report_failure_)
+@contextlib.contextmanager
+def around(script):
+    """Step 10's checks around its main() (this module's docstring says what and why)."""
+    if not hasattr(dist.distributed_c10d, "_get_default_store"):  # nothing to ask ranks through
+        raise UserError(f"10_debugging.py needs torch.distributed.distributed_c10d."
+                        f"_get_default_store(), which this torch ({torch.__version__}) has not")
+    this = ThisRank(script)
+    with this.installed():
+        yield
+        this.finished()

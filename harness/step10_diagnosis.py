@@ -77,9 +77,10 @@ def dump_for(backend: str):
     return functools.partial(_dump_fr_trace, includeStackTraces=False, backend=backend)
 
 
-def flight_record() -> dict:
-    """This rank's Flight Recorder buffer for the backend that carries DDP's collectives."""
-    return pickle.loads(dump_for(serving_backend())())
+def flight_record(backend: str | None = None) -> dict:
+    """This rank's Flight Recorder buffer for the backend that carries DDP's collectives
+    (`backend`, named while the group was up: the buffer outlives the group)."""
+    return pickle.loads(dump_for(backend or serving_backend())())
 
 
 def group_names(record: dict) -> dict[int, str]:

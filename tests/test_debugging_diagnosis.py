@@ -1,19 +1,25 @@
 """Step 10's diagnosis (harness/step10_diagnosis.py), without processes: on made-up states, for
 the branches no planted bug reaches (a rank in no collective, a rank that died) and for 4 ranks;
-and the choice of the Flight Recorder to read for each backend (NCCL cannot run here). The runs
-that reach the other branches are in tests/test_debugging.py.
+the choice of the Flight Recorder to read for each backend (NCCL cannot run here); and what
+harness/step10_debugging.around replaces for the time of 10's main() (common's functions only).
+The runs that reach the other branches are in tests/test_debugging.py.
 """
 
 from __future__ import annotations
 
 import pickle
+import sys
 
+import common
 import pytest
+from conftest import REPO
+from harness import step10_debugging
 from harness import step10_diagnosis as debug
 
 # ---------------------------------------------------------------- the diagnosis alone
 def state(rank, steps, last_seq, pending=None, absent=(), where="here", detail=None):
-    """A rank's published state, as 10_debugging.rank_state makes it, without the record."""
+    """A rank's published state, as step10_debugging.ThisRank.state makes it, without the
+    record."""
     last = {"seq": last_seq, "op": "all_reduce", "shapes": [[4]], "dtypes": ["Float"],
             "done": pending is None}
     return {"rank": rank, "steps": steps, "last": {"DDP's group": last}, "pending": pending,
@@ -160,3 +166,18 @@ def test_the_analyser_is_named_only_where_this_torch_has_it(tmp_path):
         assert line.startswith(f"{tmp_path} (torch ") and "has no analyser" in line
     else:
         assert line == f"python -m torch.distributed.flight_recorder.fr_trace {tmp_path}"
+
+
+# ---------------------------------------------------------------- around 10's main()
+def test_around_replaces_common_s_functions_for_main_only(monkeypatch, tmp_path):
+    """common.parser (its flags then checked for room in --out-dir) and common.leave_at_once,
+    for the time of main() only; none of the step's own functions, whose namespace it never
+    sees (it gets the script's path)."""
+    plain = common.parser, common.leave_at_once
+    monkeypatch.setattr(sys, "argv", ["10_debugging.py", "--out-dir", str(tmp_path / "out")])
+    with step10_debugging.around(REPO / "10_debugging.py"):
+        assert common.parser is not plain[0] and common.leave_at_once is not plain[1]
+        args = common.parser("step 10", "10_debugging.py").parse_args()
+    assert args.out_dir == tmp_path / "out" and list(args.out_dir.iterdir()) == []  # (no probe)
+    assert (common.parser, common.leave_at_once) == plain
+    assert not hasattr(step10_debugging, "take_in")
