@@ -37,10 +37,11 @@ import common
 # one still works in 2.15 (it is what older torch on clusters has), so the warning is hushed.
 warnings.filterwarnings("ignore", "torch.distributed.nn.functional.all_reduce is deprecated")
 BUGS = ["sampler", "unused", "batchnorm", "clip", "checkpointing", "save"]
-# Small and quick: every run ends in seconds. 16 samples per rank by default, so that any world
-# size divides the global batch; micro-batches of 8, so that there are two.
-DEFAULTS = dict(timeout=15, train_samples=1024, test_samples=64, batch_size=None,
-                max_device_batch=8)
+# Small and quick: every run ends in seconds, offline (common.py's synthetic digits; --data mnist
+# for MNIST). 16 samples per rank by default, so that any world size divides the global batch;
+# micro-batches of 8, so that there are two.
+DEFAULTS = dict(data="synthetic", timeout=15, train_samples=1024, test_samples=64,
+                batch_size=None, max_device_batch=8)
 
 
 def parse_flags():
@@ -223,8 +224,11 @@ def train_step(model, images, labels, optimizer, plan, with_aux, args) -> None:
 
 
 def save_model(state: dict, path) -> None:
+    def write(temporary):  # through a Python file: a full disk then says "No space left on
+        with open(temporary, "wb") as file:  # device"; torch.save(state, a path) writes in
+            torch.save(state, file)  # C++, and fails with "unexpected pos ..." (torch 2.14.1)
     path.parent.mkdir(parents=True, exist_ok=True)
-    common.save_atomically(path, lambda temporary: torch.save(state, temporary))
+    common.save_atomically(path, write)
 
 
 def save_and_reload(model, raw_model, test_images, run, args) -> float:

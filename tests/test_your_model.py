@@ -40,8 +40,6 @@ HANG_GUARD_SECONDS = 180  # a run that has not ended by then hangs (startup alon
 # What the planted silent mistakes measured (docs/your-model.md): 1e-3 and more.
 WRONG = 1e-3
 DEFAULT_PER_RANK = 16 * 4  # --batch-per-rank 16 x --steps 4: the samples each rank draws
-
-
 COPY_GUARD_SECONDS = 120  # issue 44: a copied 11 plants its bug and ends within two minutes
 
 
@@ -276,3 +274,26 @@ def test_11s_batchnorm_converter_computes_what_batchnorm2d_does(one_process_grou
     y_one_pass = (x_ - mean) / torch.sqrt(square - mean ** 2 + bn.eps) * bn.weight.view(
         1, -1, 1, 1) + bn.bias.view(1, -1, 1, 1)
     assert (y - y_one_pass).abs().max() > 1e-4  # (the bound above is not loose)
+
+
+# SIGTERM to a rank waiting in C (gloo) runs its handler at Python's next call, once the wait
+# fails: under 11's old take_in, in run_main's handling. Here around() is a lock (C's __exit__).
+PENDING = """import os, signal, threading, time
+from harness import around, errors; import torch.distributed as dist  # noqa: E702
+master = [dist.TCPStore("127.0.0.1", 0, 1, True)]
+def main():  # SIGTERM blocked in the main thread: another thread notes it, as in gloo's wait
+    store = dist.TCPStore("127.0.0.1", master[0].port, 1, False)
+    errors.stop_signals_end_now(), signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Timer(0.5, lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.5),
+                                  master.clear())).start()  # then the store goes: get fails
+    store.get("never set")
+around.around = lambda main: threading.Lock()
+errors.run_main(main)"""
+
+
+def test_a_sigterm_pending_when_a_wait_in_c_fails_is_one_line():
+    proc = launch([sys.executable, "-c", PENDING], check=False, fresh=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr and errors == [
+        "error: SIGTERM received: stopped at once, without a checkpoint (the last one saved is "
+        "kept)"], proc.stderr[-3000:]
