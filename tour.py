@@ -6,12 +6,10 @@
 Each step runs the way you would run it yourself (plain python, or torchrun with 2 processes:
 2 CPU processes, or 2 GPUs when there are; on one GPU a world of one, but 11, which compares
 ranks, on 2 CPU processes; 12 always on 2 CPU processes) for one short epoch, and you see its
-own output as it goes. The
-table at the end comes from the steps' own runs/tour/<step>/summary.json files: what each step
-adds, its world size, test accuracy and samples/s, and the diff to read next. Step
-04 compiles (once, 15-25 s on a CPU); every other step runs eagerly (`--no-compile` for the
-steps that compile by default on GPUs) and with `--deterministic`, so that the steps that
-compute the same thing print the same accuracy on GPUs too, as they do on the CPU. Any step
+own output as it goes. The table at the end comes from the steps' runs/tour/<step>/summary.json:
+what each step adds, its world size, test accuracy and samples/s, and the diff to read next.
+04 compiles (once, 15-25 s on a CPU); the others run eagerly and with `--deterministic`, so that
+steps that compute the same thing print the same accuracy on GPUs too, as on the CPU. Any step
 that fails stops the tour with its exit code, except a step that refuses this torch as too old
 (its versions.require_torch line): the table then says which torch it needs.
 """

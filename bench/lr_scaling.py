@@ -3,21 +3,16 @@
     python bench/lr_scaling.py                 # 8 configurations x 3 seeds, ~10 min on 2 cores
     python bench/lr_scaling.py --repeats 5 --samples 8192 --epochs 4
 
-Every configuration trains step 03 on the same data for the same epochs, so every curve has
-seen the same samples at each epoch's end; what differs is how many ranks share a step and how
-large and how fast the steps are:
+Every configuration trains step 03 on the same data for the same epochs (the same samples seen
+at each epoch's end); what differs is how many ranks share a step, and the steps' size and pace:
 
   fixed global batch (--batch-size B) on 1 and 2 ranks: strong scaling, the same computation;
-  --batch-per-rank B on 2 and 4 ranks: weak scaling, the global batch grows to 2B and 4B, so
-    an epoch has 1/2 and 1/4 of the steps; with the same --lr, with --lr-scaling linear (2 and
-    4 ranks) and sqrt (4) after the default warm-up, and linear without one (4).
+  --batch-per-rank B on 2 and 4 ranks: weak scaling, a global 2B and 4B (1/2 and 1/4 of the
+    steps); the same --lr, --lr-scaling linear (2, 4) and sqrt (4) after warm-up, linear without.
 
-Dropout is off (--no-dropout): each rank draws its own masks, so with it the fixed-batch runs
-would differ by their masks, not by their batches. The repeats are seeds (the CPU repeats a
-seed bit for bit): the range is how much a curve moves from one seed to the next, which is
-what a difference between two configurations has to beat. Configurations are interleaved and
-the order rotates per repeat, as in run.py; here the numbers are losses, not speeds, so the
-machine's load does not change them. This is a benchmark, not a test: nothing is asserted.
+Dropout is off (each rank's own masks would blur the fixed-batch comparison). The repeats are
+seeds: how far a curve moves between seeds is what a difference has to beat. Configurations
+are interleaved, rotating per repeat (as in run.py). A benchmark: nothing is asserted.
 """
 
 from __future__ import annotations

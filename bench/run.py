@@ -15,13 +15,10 @@ fact. This is a benchmark, not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]  # harness/; bench/report.py, however started
 from harness.flags import SAMPLES_LIMIT, Parser, integer, writable_file  # noqa: E402
+from report import machine, report  # noqa: E402,F401  (machine: for lr_scaling.py)
 
 
 @dataclass
@@ -58,82 +56,69 @@ def configs(opts) -> list[Config]:
     fresh_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # for --max-restarts
     per_rank = opts.per_rank_batch
     h5 = str(Path(opts.work) / "bench.h5")
+    one = [*data, "--batch-size", per_rank]  # one rank's batch
+    two = [*data, "--batch-size", 2 * per_rank]  # two ranks' global batch, per_rank each
+    every = ["--checkpoint-every", str(opts.checkpoint_every)]
+    killed_at = opts.checkpoint_every * 3 // 2
     rows = {
         "scaling": [  # same per-rank batch, one thread per rank: ideal 2 ranks = 2x samples/s
-            Config("scaling", "03, 1 rank", "03_ddp_wrapper.py", [*data, "--batch-size", per_rank],
-                   nproc=1, env=one_thread),
-            Config("scaling", "03, 2 ranks", "03_ddp_wrapper.py",
-                   [*data, "--batch-size", 2 * per_rank], nproc=2, env=one_thread),
+            Config("scaling", "03, 1 rank", "03_ddp_wrapper.py", one, nproc=1, env=one_thread),
+            Config("scaling", "03, 2 ranks", "03_ddp_wrapper.py", two, nproc=2, env=one_thread),
         ],
         "overhead": [  # world size 1: what the DDP wrapper costs when there is nobody to talk to
-            Config("overhead", "00 (no DDP)", "00_single_gpu.py", [*data, "--batch-size", per_rank],
-                   env=one_thread),
-            Config("overhead", "03 (DDP, world of 1)", "03_ddp_wrapper.py",
-                   [*data, "--batch-size", per_rank], env=one_thread),
+            Config("overhead", "00 (no DDP)", "00_single_gpu.py", one, env=one_thread),
+            Config("overhead", "03 (DDP, world of 1)", "03_ddp_wrapper.py", one, env=one_thread),
         ],
         "wrapper": [  # a model with 8x the parameters, so that gradient sync matters
-            Config("wrapper", "02 (sync after backward)", "02_manual_ddp.py",
-                   [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
-            Config("wrapper", "02b (bucketed, overlapped, by hand)", "02b_overlap_by_hand.py",
-                   [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
-            Config("wrapper", "03 (bucketed, overlapped)", "03_ddp_wrapper.py",
-                   [*data, "--batch-size", 2 * per_rank, "--width", "8"], nproc=2, env=one_thread),
+            Config("wrapper", name, script, [*two, "--width", "8"], nproc=2, env=one_thread)
+            for name, script in [("02 (sync after backward)", "02_manual_ddp.py"),
+                                 ("02b (bucketed, overlapped, by hand)", "02b_overlap_by_hand.py"),
+                                 ("03 (bucketed, overlapped)", "03_ddp_wrapper.py")]
         ],
         "compile": [
-            Config("compile", "04 --no-compile", "04_ddp_compile.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile"], nproc=2, env=one_thread),
-            Config("compile", "04 --compile", "04_ddp_compile.py",
-                   [*data, "--batch-size", 2 * per_rank, "--compile"], nproc=2, env=one_thread),
+            Config("compile", f"04 {flag}", "04_ddp_compile.py", [*two, flag], nproc=2,
+                   env=one_thread)
+            for flag in ("--no-compile", "--compile")
         ],
         "streaming": [  # equal worker counts: one DataLoader worker per rank
             Config("streaming", "05 in memory", "05_multinode.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--num-workers", "1"],
-                   nproc=2, env=one_thread),
+                   [*two, "--no-compile", "--num-workers", "1"], nproc=2, env=one_thread),
             Config("streaming", "06 HDF5", "06_streaming_h5.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile", "--num-workers", "1",
-                    "--h5", h5], nproc=2, env=one_thread),
+                   [*two, "--no-compile", "--num-workers", "1", "--h5", h5], nproc=2,
+                   env=one_thread),
         ],
         "checkpoints": [
-            Config("checkpoints", "05", "05_multinode.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile"],
-                   nproc=2, env=one_thread),
+            Config("checkpoints", "05", "05_multinode.py", [*two, "--no-compile"], nproc=2,
+                   env=one_thread),
             Config("checkpoints", f"07, checkpoint every {opts.checkpoint_every} steps",
-                   "07_fault_tolerance.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile",
-                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
+                   "07_fault_tolerance.py", [*two, "--no-compile", *every], nproc=2,
+                   env=one_thread),
         ],
         "restart": [  # wall time of a whole run: the difference is what one killed rank costs
             Config("restart", "07, uninterrupted", "07_fault_tolerance.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile",
-                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, metric="wall",
+                   [*two, "--no-compile", *every], nproc=2, metric="wall",
                    env={**one_thread, **fresh_store}),
-            Config("restart", f"07, rank 1 killed at step {opts.checkpoint_every * 3 // 2}",
-                   "07_fault_tolerance.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile",
-                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, metric="wall",
-                   env={**one_thread, **fresh_store,
-                        "PROBE_KILL": f"1:{opts.checkpoint_every * 3 // 2}"},
+            Config("restart", f"07, rank 1 killed at step {killed_at}", "07_fault_tolerance.py",
+                   [*two, "--no-compile", *every], nproc=2, metric="wall",
+                   env={**one_thread, **fresh_store, "PROBE_KILL": f"1:{killed_at}"},
                    launcher_args=["--max-restarts", "1"], probe=True),
         ],
         "fsdp2": [  # the same training, replicated (DDP) or sharded (FSDP2); no checkpoints
             Config("fsdp2", "07 (DDP)", "07_fault_tolerance.py",
-                   [*data, "--batch-size", 2 * per_rank, "--no-compile",
-                    "--checkpoint-every", "0", "--width", "8"], nproc=2, env=one_thread),
+                   [*two, "--no-compile", "--checkpoint-every", "0", "--width", "8"], nproc=2,
+                   env=one_thread),
             Config("fsdp2", "08 (FSDP2)", "08_fsdp2.py",
-                   [*data, "--batch-size", 2 * per_rank, "--checkpoint-every", "0",
-                    "--width", "8"], nproc=2, env=one_thread),
+                   [*two, "--checkpoint-every", "0", "--width", "8"], nproc=2, env=one_thread),
             Config("fsdp2", "08 (FSDP2, --no-reshard-after-forward)", "08_fsdp2.py",
-                   [*data, "--batch-size", 2 * per_rank, "--checkpoint-every", "0",
-                    "--width", "8", "--no-reshard-after-forward"], nproc=2, env=one_thread),
+                   [*two, "--checkpoint-every", "0", "--width", "8", "--no-reshard-after-forward"],
+                   nproc=2, env=one_thread),
         ],
         "dcp": [  # checkpoints of a sharded model: gathered to rank 0's one file, or DCP's
             Config("dcp", f"08, one file every {opts.checkpoint_every} steps", "08_fsdp2.py",
-                   [*data, "--batch-size", 2 * per_rank, "--width", "8",
-                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
+                   [*two, "--width", "8", *every], nproc=2, env=one_thread),
             Config("dcp", f"09, DCP in the background every {opts.checkpoint_every} steps",
-                   "09_distributed_checkpoint.py",
-                   [*data, "--batch-size", 2 * per_rank, "--width", "8",
-                    "--checkpoint-every", str(opts.checkpoint_every)], nproc=2, env=one_thread),
+                   "09_distributed_checkpoint.py", [*two, "--width", "8", *every], nproc=2,
+                   env=one_thread),
         ],
         "memory": [  # peak memory per rank (MiB, the largest rank's) of a 64x wider model;
             # 08's rank 0 also gathers the whole state for its checkpoint at the epoch's end
@@ -149,20 +134,18 @@ def configs(opts) -> list[Config]:
             Config("minimal", "minimal DDP loop (bench/minimal_ddp.py)", "bench/minimal_ddp.py",
                    ["--train-samples", str(opts.samples), "--test-samples", "500", "--epochs",
                     "1", "--batch-size", 2 * per_rank], nproc=2, env=one_thread),
-            Config("minimal", "03", "03_ddp_wrapper.py", [*data, "--batch-size", 2 * per_rank],
-                   nproc=2, env=one_thread),
+            Config("minimal", "03", "03_ddp_wrapper.py", two, nproc=2, env=one_thread),
         ],
         "exposed": [  # the profiler's breakdown: communication that no compute hides
-            Config("exposed", "03, 1 rank, --profile", "03_ddp_wrapper.py",
-                   [*data, "--batch-size", per_rank, "--profile"], nproc=1, metric="exposed",
-                   env=one_thread),
+            Config("exposed", "03, 1 rank, --profile", "03_ddp_wrapper.py", [*one, "--profile"],
+                   nproc=1, metric="exposed", env=one_thread),
             Config("exposed", "03, 2 ranks, --profile", "03_ddp_wrapper.py",
-                   [*data, "--batch-size", 2 * per_rank, "--profile"], nproc=2,
-                   metric="exposed", env=one_thread),
+                   [*two, "--profile"], nproc=2, metric="exposed", env=one_thread),
         ],
         "allreduce": [
-            Config("allreduce", "01 --bench, 2 ranks, largest message", "01_torch_dist_allreduce.py",
-                   ["--bench", "--max-mb", "16"], nproc=2, metric="busbw", env=one_thread),
+            Config("allreduce", "01 --bench, 2 ranks, largest message",
+                   "01_torch_dist_allreduce.py", ["--bench", "--max-mb", "16"], nproc=2,
+                   metric="busbw", env=one_thread),
         ],
     }
     chosen = []
@@ -215,88 +198,6 @@ def run_once(config: Config, out_dir: Path) -> float:
         config.extras.setdefault("background", []).append(float(background))
     value = summary[config.metric]
     return max(value) if isinstance(value, list) else value  # per rank: the largest
-
-
-def spread(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
-
-
-def compare(base: Config, other: Config, higher_is_better: bool = True) -> str:
-    """other/base as a ratio of medians, or "not resolved" when the ranges overlap."""
-    b_med, b_lo, b_hi = spread(base.values)
-    o_med, o_lo, o_hi = spread(other.values)
-    ratio = o_med / b_med
-    if o_lo <= b_hi and b_lo <= o_hi:
-        return f"{ratio:.2f}x (ranges overlap: not resolved on this machine)"
-    return f"{ratio:.2f}x"
-
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return (f"{cpu}, {os.cpu_count()} cores; GPU: {gpu}; torch {torch.__version__}; "
-            f"Python {platform.python_version()}; {datetime.date.today()}")
-
-
-def report(chosen: list[Config], opts) -> str:
-    lines = [f"Machine: {machine()}", "",
-             f"{opts.repeats} repeats, configurations interleaved; median (min-max). "
-             f"Synthetic digits, {opts.samples} training samples, one epoch per run, "
-             f"{opts.per_rank_batch} samples per rank per step, 1 thread per rank.", "",
-             "| row | configuration | metric | median (min-max) | first step s | comparison |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    by_row: dict[str, list[Config]] = {}
-    for config in chosen:
-        by_row.setdefault(config.row, []).append(config)
-    for row, group in by_row.items():
-        for i, config in enumerate(group):
-            med, lo, hi = spread(config.values)
-            first = config.extras.get("first_step_seconds")
-            first_text = f"{statistics.median(first):.1f}" if first and None not in first else ""
-            comparison = ""
-            if i > 0:
-                comparison = f"{compare(group[0], config)} vs {group[0].name}"
-            if row == "scaling" and i == 1:
-                efficiency = med / (2 * spread(group[0].values)[0])
-                comparison = (f"scaling efficiency {efficiency:.2f} "
-                              f"(samples/s(2) / 2 x samples/s(1))")
-            unit = {"busbw": "GB/s bus bandwidth", "wall": "s per run",
-                    "exposed": "% of a step in exposed communication",
-                    "peak_memory_mib": "peak MiB per rank"}.get(config.metric, "samples/s")
-            if row == "scaling":  # how far from the hardware: achieved / peak FLOP/s
-                mfu = 100 * statistics.median(config.extras["mfu"])
-                comparison = "; ".join(filter(None, [comparison, f"MFU {mfu:.1f} %"]))
-            if row == "exposed":
-                comparison = ""  # two fractions, each read on its own
-            if row == "fsdp2" and i == 1:  # tensor bytes: weights + gradients + momentum
-                held = config.extras["params_per_rank"][0][0]
-                total = config.extras["params_total"][0]
-                comparison += (f"; per rank {3 * 4 * held / 2**20:.1f} MiB of weights, gradients "
-                               f"and momentum vs {3 * 4 * total / 2**20:.1f} MiB under DDP")
-            if row == "dcp" and "blocking" in config.extras:
-                comparison += (f"; a save blocks training "
-                               f"{statistics.median(config.extras['blocking']):.2f} s, then "
-                               f"writes {statistics.median(config.extras['background']):.2f} s "
-                               f"in the background (medians over every save)")
-            if row == "memory":  # tensor bytes: weights + gradients + momentum, and the peaks
-                held = config.extras["params_per_rank"][0]
-                built = [round(m) for m in config.extras["memory_after_build_mib"][-1]]
-                peak = [round(m) for m in config.extras["peak_memory_mib"][-1]]
-                comparison = (f"weights+gradients+momentum {3 * 4 * held[0] / 2**20:.0f} MiB per "
-                              f"rank; process peak per rank once built {built}, at most {peak}")
-            if row == "restart" and i == 1:
-                lost = med - spread(group[0].values)[0]
-                comparison = f"{lost:.1f} s lost to the kill (restart + redone steps)"
-            lines.append(f"| {row} | {config.name} | {unit} | {med:,.1f} ({lo:,.1f}-{hi:,.1f}) "
-                         f"| {first_text} | {comparison} |")
-    return "\n".join(lines) + "\n"
 
 
 def interleaved(configs: list, repeats: int):

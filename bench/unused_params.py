@@ -4,22 +4,12 @@
     torchrun --standalone --nproc-per-node 2 bench/unused_params.py --rounds 300 --out FILE
 
 With find_unused_parameters=True, DDP walks the autograd graph from the forward's outputs after
-every forward, to mark the parameters it cannot reach as ready (11_your_model.py, --bug unused).
-That walk costs time per step, more for a graph of many nodes. Here every parameter is used in
-every step, so all three settings compute the same thing and only the bookkeeping differs:
-
-  False               DDP's default: a parameter without a gradient makes it raise
-  True                the walk after every forward
-  static_graph=True   DDP records the used set in the first step and never walks again
-
-Two models: the tutorial's CNN (harness/model.py: 8 parameter tensors, convolutions dominate)
-and a deep narrow MLP (64 Linear layers, 64 wide: 128 parameter tensors, little compute each), on
-random data. In one process per rank, the three settings wrap three copies of the model and
-take turns step by step: every round times one step of each, in an order that rotates from
-round to round. On a shared machine whole steps vary by more than the walk costs, so the
-forward is also timed in CPU seconds of the thread that runs it (the walk runs there, at the end
-of DDP's forward), which other processes' load barely changes. Against False: the difference
-within each round, median and quartiles over the rounds, beside each setting's medians.
+every forward, to mark unreachable parameters ready (11_your_model.py, --bug unused). Here every
+parameter is used, so False (DDP's default), True (the walk) and static_graph=True (the used set
+recorded once) compute the same and only the bookkeeping differs. Two models: the tutorial's CNN
+(8 parameter tensors) and a deep narrow MLP (128 tensors, little compute each), on random data,
+three copies taking turns in a rotating order every round; the forward is also timed in CPU
+seconds of its thread (where the walk runs), which other processes' load barely changes.
 A benchmark, not a test: nothing is asserted.
 """
 

@@ -3,18 +3,16 @@
 Every step reports it through metrics.py: FLOP/s per rank in each epoch's line, and
 `flops_per_sample`, `flops_per_sec_per_rank`, `peak_flops_per_rank` and `mfu` in summary.json.
 
-- The FLOPs are counted, not estimated: torch.utils.flop_counter.FlopCounterMode runs one
-  forward and backward of the model on the meta device (shapes only, no memory, no time) and
-  adds up what each convolution and matmul costs. For this CNN that is about 72 MFLOP per
+- The FLOPs are counted, not estimated: FlopCounterMode runs one forward and backward on the
+  meta device (shapes only) and adds up what each convolution and matmul costs. For this CNN that is about 72 MFLOP per
   training sample, 10 times the "6 x parameters" rule of thumb for transformers (1.2 M
   parameters x 6 = 7.2 MFLOP): that rule counts each weight once per sample, and a convolution
   applies each of its weights at every position of the image (conv2: 576 positions).
 - The peak is a GPU's datasheet number for dense math in the precision the step computes in
   (bf16 with --amp, else TF32, which choose_device turns on), or on a CPU a float32 matmul
   measured here on one thread at the end of the run, times the rank's threads. MFU = achieved /
-  peak. A small CNN fed from a DataLoader is far from its peak. For scale: nanoGPT's train.py
-  prints MFU against an A100's 312 TFLOP/s bf16 peak, torchtitan logs it for its Llama runs,
-  and the PaLM paper, which named the measure, reports 46 % for a 540 B-parameter model.
+  peak. A small CNN fed from a DataLoader is far from its peak (nanoGPT's train.py prints MFU
+  against an A100's 312 TFLOP/s bf16; the PaLM paper, which named it, reports 46 %).
 """
 
 from __future__ import annotations
