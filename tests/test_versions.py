@@ -1,6 +1,7 @@
-"""The torch versions we promise (README, "Versions"): a step that needs a newer torch than the
-one installed says so in one line, and what the steps' comments state of this torch holds.
-(.ci/oldest_torch.py runs the tour on the oldest torch; this file runs on the newest.)"""
+"""The torch versions we promise (README, "Versions"; docs/versions.md): a step that needs a
+newer torch than the one installed says so in one line, and what the steps' comments state of
+this torch holds. (.ci/oldest_torch.py runs the tour on the oldest torch; this file runs on the
+newest.)"""
 
 import subprocess
 import sys

@@ -1,0 +1,83 @@
+"""What a learner reads stays small: each diff of the README's reading order is one idea in at
+most 120 changed lines, and every file keeps the size the project set for it (issue 60)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import subprocess
+
+import pytest
+
+from conftest import REPO
+
+DIFF_LIMIT = 120  # changed lines (added and removed) of `diff -u` between two steps
+STEPS = sorted(p.name for p in REPO.glob("[0-9][0-9]*_*.py"))
+FIRST_STEPS = {"00", "01", "02", "02b", "03", "03b", "04", "05"}  # at most 200 lines each
+LIMITS = {"common.py": 700, "train_template.py": 400}  # the rest: 300 (steps 00-05: 200)
+
+
+def reading_order() -> list[tuple[str, str]]:
+    """The `diff -u A B` pairs of the README's table of steps (its "read it as"), in order."""
+    table = (REPO / "README.md").read_text().split("## The steps", 1)[1].split("\n\n##")[0]
+    return re.findall(r"^\| `.*`diff -u (\S+\.py) (\S+\.py)` \|$", table, re.M)
+
+
+def changed_lines(old: str, new: str) -> int:
+    diff = subprocess.run(["diff", "-u", old, new], cwd=REPO, capture_output=True, text=True)
+    lines = diff.stdout.splitlines()[2:]  # (past the --- and +++ headers)
+    return sum(1 for line in lines if line[:1] in "+-")
+
+
+def test_the_reading_order_names_every_step_and_builds_on_what_came_before():
+    pairs = reading_order()
+    assert len(pairs) >= 9, pairs
+    seen = {"00_single_gpu.py"}
+    for old, new in pairs:
+        assert old in seen, f"{new} is read against {old}, which comes later"
+        seen.add(new)
+    side_trips_read_whole = {"01_torch_dist_allreduce.py", "10_debugging.py", "11_your_model.py",
+                             "12_what_to_reduce.py"}
+    assert set(STEPS) <= seen | side_trips_read_whole, set(STEPS) - seen
+
+
+@pytest.mark.parametrize("old, new", reading_order())
+def test_each_diff_of_the_reading_order_changes_at_most_120_lines(old, new):
+    assert changed_lines(old, new) <= DIFF_LIMIT, f"diff -u {old} {new}"
+
+
+def python_files() -> list:
+    """What a learner reads or copies: the steps, common.py, the template and its examples, the
+    tour, harness/ and bench/ (tests/ are the proofs: sized by what they prove)."""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.split()
+    return [REPO / name for name in tracked
+            if not name.startswith("tests/") and (REPO / name).exists()]
+
+
+def limit(path) -> int:
+    if path.parent == REPO and path.name.split("_", 1)[0] in FIRST_STEPS:
+        return 200
+    return LIMITS.get(path.name, 300) if path.parent == REPO else 300
+
+
+def test_every_python_file_keeps_its_size():
+    too_long = {str(p.relative_to(REPO)): n for p in python_files()
+                if (n := len(p.read_text().splitlines())) > limit(p)}
+    assert not too_long, too_long
+
+
+def test_every_docstring_is_at_most_15_lines():
+    too_long = []
+    for path in python_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            body = getattr(node, "body", None)
+            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                    and body and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                lines = len(inspect.cleandoc(body[0].value.value).splitlines())  # (its text)
+                if lines > 15:
+                    too_long.append(f"{path.relative_to(REPO)}:{body[0].lineno} ({lines} lines)")
+    assert not too_long, too_long
