@@ -477,7 +477,17 @@ def whole(text: str) -> int:
     return int(text)
 
 
+def positive(text: str) -> float:
+    """A finite number above 0 (an argparse type): a --lr or --timeout of 0 or nan is refused."""
+    if not 0 < float(text) < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, not {text}")
+    return float(text)
+
+
 class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the whole usage
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
     def parse_args(self, args=None, namespace=None):
         args = super().parse_args(args, namespace)
         if getattr(args, "lr_scaling", None) and args.warmup_steps is None:  # (docs/running.md)
@@ -504,7 +514,7 @@ def parser(doc: str, script: str, cls=Parser) -> argparse.ArgumentParser:
                        help="instead: B samples per rank per step (a global B x world size)")
     add("--max-device-batch", type=whole, metavar="M",
         help="most samples one device takes at once; more run as accumulated micro-batches")
-    add("--lr", type=float, default=0.05, help="learning rate (for one rank's B with "
+    add("--lr", type=positive, default=0.05, help="learning rate (for one rank's B with "
         "--batch-per-rank)")
     add("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
         help="with --batch-per-rank: multiply --lr by the world size, or its square root")
@@ -515,7 +525,7 @@ def parser(doc: str, script: str, cls=Parser) -> argparse.ArgumentParser:
     add("--width", type=int, default=1, help=argparse.SUPPRESS)  # benchmarks: a wider fc1
     add("--device", choices=["auto", "cpu", "cuda"], default="auto")
     add("--amp", action="store_true", help="bf16 autocast on GPUs that support it")
-    add("--timeout", type=float, default=600, metavar="SECONDS",
+    add("--timeout", type=positive, default=600, metavar="SECONDS",
         help="how long a collective waits for a peer before failing")
     add("--out-dir", type=Path, default=f"runs/{Path(script).stem}")
     add("--profile", action="store_true", help="trace a few steps per rank into <out-dir>/profile")

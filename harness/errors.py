@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
 
-from . import around
+from . import around, startup
 # The signal watchdog and the one-line reports live in their own modules; their names are
 # imported here too, where the rest of the harness and the tests have always found them.
 from .peers import (STORE_PREFIX, PeerFailure, failed_peers, launcher_rank,  # noqa: F401
@@ -48,6 +48,8 @@ def run_main(main) -> None:
     holds has been seen to abort the process when destroyed).
     """
     watch_signals()
+    if signal.getsignal(signal.SIGTERM) is startup.stopped_while_starting:  # a step's script:
+        stop_signals_end_now()  # a stop signal is one line from here on too (07-09: a checkpoint)
     code, torn_down_cleanly = 0, True
     try:
         check_torch_variables()

@@ -1,7 +1,7 @@
 """The signal watchdog: a Ctrl-C or a stop signal is never lost, and ends a run in one line.
 
-errors.run_main starts it (watch_signals) before a step's main(); step 07 turns the stop
-signals into a checkpoint and a stop (step07_fault_tolerance.StopRequest), steps 11 and 09's
+errors.run_main starts it (watch_signals) before a step's main(); steps 07-09 turn the stop
+signals into a checkpoint and a stop (07's StopRequest, common.StopRequest), steps 11 and 09's
 export end at once (stop_signals_end_now).
 """
 
@@ -21,8 +21,8 @@ from .peers import failed_peers, launcher_rank, leave_message, report
 
 # The signals a launcher sends to end a job: SLURM sends SIGTERM before it preempts a job or at
 # the time limit (and USR1/USR2 with --signal), torchrun forwards SIGTERM, SIGINT, SIGHUP and
-# SIGQUIT by default, any of them with --signals-to-handle. Step 07 turns all but SIGINT into a
-# checkpoint and a stop (step07_fault_tolerance.StopRequest); SIGINT (Ctrl-C) ends a run at once.
+# SIGQUIT by default, any of them with --signals-to-handle. Steps 07-09 turn all but SIGINT into
+# a checkpoint and a stop (07's StopRequest, common.StopRequest); SIGINT ends a run at once.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -151,7 +151,7 @@ def stop_signals_end_now() -> None:
     the other STOP_SIGNALS end the process as Ctrl-C does, one line and exit 128 + the
     signal's number, within GRACE_S even when the main thread is blocked in C (the watchdog).
     Their default action ended the process silently. (Steps 07-09 checkpoint instead:
-    step07_fault_tolerance.StopRequest.) From the main thread."""
+    07's StopRequest, common.StopRequest.) From the main thread."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, _stop_now)
 

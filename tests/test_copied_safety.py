@@ -1,5 +1,5 @@
 """A step copied out of the repository with common.py alone (no harness/) is as safe as in it
-(the red team's cases, issue of the twins' removal): step 09, on 2 CPU ranks under torchrun.
+(the red team's cases of issue 60): step 09, on 2 CPU ranks under torchrun.
 
 - A checkpoint folder whose .metadata is a pickle calling os.system: the resume refuses it and
   the command never runs (09's own MetadataUnpickler).

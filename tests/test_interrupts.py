@@ -337,3 +337,27 @@ def test_the_watchdog_is_started_once_per_process_and_sleeps():
     out = launch([sys.executable, "-c", probe]).stdout.split()
     assert int(out[0]) == 1
     assert float(out[1]) < 0.1  # CPU seconds in one second of sleep: a spinning thread takes ~1
+
+
+def test_a_stop_signal_while_a_step_starts_is_one_line(tmp_path):
+    """A SIGTERM while step 00 still imports torch (torchrun's or SLURM's, as a job is cancelled
+    at its start) ended the process silently, by the signal's default action: now one line, and
+    exit 128 + 15. Later, in training, it is one line too (run_main's handlers)."""
+    for delay, says in [(0.5, "interrupted (SIGTERM): stopped at once, while starting"),
+                        (None, "SIGTERM received: stopped at once")]:
+        out_dir = tmp_path / str(delay)
+        out_dir.mkdir()
+        proc = start([sys.executable, "00_single_gpu.py", *map(str, ARGS[:8]),
+                      "--out-dir", out_dir], out_dir, fresh=True)
+        if delay is None:  # once training prints its first progress line
+            deadline = time.monotonic() + GUARD_S
+            while "epoch 1: step" not in Path(proc.log.name).read_text():
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        else:
+            time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=GUARD_S) == 128 + signal.SIGTERM
+        errors = [line for line in Path(proc.log.name).read_text().splitlines()
+                  if line.startswith("error:") or "Traceback" in line]
+        assert len(errors) == 1 and says in errors[0], errors
