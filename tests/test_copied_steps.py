@@ -1,10 +1,14 @@
 """A step copied out with common.py alone is what its docstring says: it runs offline on the
-synthetic digits common.py draws, prints its progress inside the epoch (not with --quiet),
-refuses a count of 0 in one line, and trains as it does in the repository."""
+synthetic digits common.py draws, prints its progress inside the epoch, refuses a count of 0 in
+one line, and trains as it does in the repository. And it is as safe as in the repository (the
+red team's cases of issue 60, on a copied 09): a .metadata pickle that would run code is
+refused, nothing is written through a link planted at its next folder's name, and a folder of
+the user's beside its checkpoints survives its commits."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import sys
 
@@ -37,17 +41,19 @@ def result(out) -> tuple:
 
 @pytest.fixture(scope="module")
 def copied(tmp_path_factory):
-    """00, 02, 03 and 09 copied out, each run offline (03 with --quiet); 00 and 03 run in the
-    repository too, on the same flags."""
+    """00, 02, 03 and 09 copied out, each run offline; 00 and 03 run in the repository too, on
+    the same flags. 09 checkpoints every 4 steps, beside a folder of the user's."""
     root = tmp_path_factory.mktemp("copied")
     folder = root / "steps"
     copy_out(["00_single_gpu.py", "02_manual_ddp.py", "03_ddp_wrapper.py", LAST], folder)
-    runs = {}
+    (root / "09" / "checkpoint-epoch-best").mkdir(parents=True)
+    (root / "09" / "checkpoint-epoch-best" / "mine.txt").write_text("the user's")
+    runs = {"folder": folder}
     for name, script, where, extra in [
             ("00", "00_single_gpu.py", folder, []), ("00 repo", "00_single_gpu.py", REPO, []),
-            ("02", "02_manual_ddp.py", folder, []), ("03", "03_ddp_wrapper.py", folder, ["--quiet"]),
+            ("02", "02_manual_ddp.py", folder, []), ("03", "03_ddp_wrapper.py", folder, []),
             ("03 repo", "03_ddp_wrapper.py", REPO, ["--quiet"]),
-            *([("09", LAST, folder, ["--checkpoint-every", "0"])] if FSDP_ON_GLOO else [])]:
+            *([("09", LAST, folder, ["--checkpoint-every", "4"])] if FSDP_ON_GLOO else [])]:
         out = root / name.replace(" ", "-")
         args = [script, *SMALL, *extra, "--out-dir", out]
         cmd = [sys.executable, *args] if name.startswith("00") else torchrun_cmd(2, *args)
@@ -58,15 +64,14 @@ def copied(tmp_path_factory):
 
 def test_a_copied_step_runs_offline_and_prints_its_progress(copied):
     """Offline (a network namespace with a loopback only, where this machine allows one), on
-    --data synthetic, with a progress line inside the epoch; --quiet has none. The plain
-    copy's lines have no FLOP rate (only the repository's harness measures it)."""
+    --data synthetic, with a progress line inside the epoch. The plain copy's lines have no
+    FLOP rate (only the repository's harness measures it). (--quiet: test_ddp.py's copies.)"""
     for name in ("00", "02", "03", "09"):
         if name not in copied:
             continue
         stdout = copied[name][0]
         assert "test accuracy" in stdout and "FLOP/s" not in stdout, (name, stdout)
-        progress = [line for line in stdout.splitlines() if ": step " in line]
-        assert (not progress) if name == "03" else progress, (name, stdout)
+        assert "epoch 1: step 4/8 (50%)" in stdout, (name, stdout)
     if not OFFLINE:
         pytest.skip("ran with the network: unshare needs root and iproute2 here")
 
@@ -111,3 +116,56 @@ def test_save_atomically_writes_through_no_planted_link(tmp_path):
         common.save_atomically(run_dir / "summary.json", fails)
     assert sorted(p.name for p in run_dir.iterdir()) == [
         f".checkpoint.pt.{os.getpid()}.tmp", "checkpoint.pt"]
+
+
+# ---------------------------------------------------------------- a copied 09 is safe
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+needs_09 = pytest.mark.skipif(not FSDP_ON_GLOO, reason="09 needs torch 2.9 on gloo")
+
+
+@needs_09
+def test_a_copied_09_keeps_a_folder_it_did_not_make(copied):
+    out = copied["09"][1]
+    assert (out / "checkpoint-epoch-best" / "mine.txt").read_text() == "the user's"
+    assert sorted(p.name for p in out.glob("checkpoint*")) == [
+        "checkpoint", "checkpoint-epoch-best", "checkpoint-epoch1-end"]
+
+
+@needs_09
+def test_a_copied_09_refuses_metadata_that_would_run_code(copied, tmp_path):
+    """The resume and the export read .metadata with 09's own restricted unpickler."""
+    saved = tmp_path / "checkpoint"
+    shutil.copytree((copied["09"][1] / "checkpoint").resolve(), saved)
+    marker = tmp_path / "code-ran"
+    (saved / ".metadata").write_bytes(pickle.dumps(Payload(marker), protocol=4))
+    proc = launch(torchrun_cmd(2, LAST, *SMALL, "--epochs", 2, "--resume", saved,
+                               "--out-dir", tmp_path / "second"), cwd=copied["folder"],
+                  check=False)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "posix.system is not allowed" in proc.stderr, proc.stderr[-3000:]
+    assert not marker.exists()  # the payload never ran
+    export = launch([sys.executable, LAST, "export", "--resume", saved, "--out-dir",
+                     tmp_path / "export"], cwd=copied["folder"], check=False)
+    assert export.returncode != 0 and not marker.exists(), export.stderr[-3000:]
+
+
+@needs_09
+def test_a_copied_09_writes_nothing_through_a_planted_link(copied, tmp_path):
+    outside, out = tmp_path / "outside", tmp_path / "out"
+    outside.mkdir()
+    out.mkdir()
+    (out / "checkpoint-epoch1-step2").symlink_to(outside, target_is_directory=True)
+    proc = launch(torchrun_cmd(2, LAST, *SMALL, "--checkpoint-every", 2, "--out-dir", out),
+                  cwd=copied["folder"], check=False)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "it is a symbolic link, and 09 writes only into folders it makes" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert list(outside.iterdir()) == []  # no .metadata, shard or random state went there
+    assert (out / "checkpoint-epoch1-step2").is_symlink()
