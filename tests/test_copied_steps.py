@@ -41,8 +41,8 @@ def result(out) -> tuple:
 
 @pytest.fixture(scope="module")
 def copied(tmp_path_factory):
-    """00, 02, 03 and 09 copied out, each run offline; 00 and 03 run in the repository too, on
-    the same flags. 09 checkpoints every 4 steps, beside a folder of the user's."""
+    """00, 02, 03 and 09 copied out, each run offline; 00 in the repository too, on the same
+    flags. 09 checkpoints every 4 steps, beside a folder of the user's."""
     root = tmp_path_factory.mktemp("copied")
     folder = root / "steps"
     copy_out(["00_single_gpu.py", "02_manual_ddp.py", "03_ddp_wrapper.py", LAST], folder)
@@ -52,7 +52,6 @@ def copied(tmp_path_factory):
     for name, script, where, extra in [
             ("00", "00_single_gpu.py", folder, []), ("00 repo", "00_single_gpu.py", REPO, []),
             ("02", "02_manual_ddp.py", folder, []), ("03", "03_ddp_wrapper.py", folder, []),
-            ("03 repo", "03_ddp_wrapper.py", REPO, ["--quiet"]),
             *([("09", LAST, folder, ["--checkpoint-every", "4"])] if FSDP_ON_GLOO else [])]:
         out = root / name.replace(" ", "-")
         args = [script, *SMALL, *extra, "--out-dir", out]
@@ -78,12 +77,13 @@ def test_a_copied_step_runs_offline_and_prints_its_progress(copied):
 
 def test_a_copied_step_trains_as_the_repository_does(copied):
     """The synthetic digits a copy draws are the repository's: 00 ends with the repository's
-    test loss and accuracy to the last digit, 02 and 03 with the repository's 03 (02 = 03 bit
-    for bit on 2 ranks), and 09, FSDP2 and DCP, with its accuracy (the README's table)."""
+    test loss and accuracy to the last digit; 02 with 03's (bit for bit on 2 ranks), and 09,
+    FSDP2 and DCP, with their accuracy, as the README's table has them. (That a copy of 02-05
+    trains as the repository does: test_ddp.py, on MNIST-format files.)"""
     assert result(copied["00"][1]) == result(copied["00 repo"][1])
-    assert result(copied["02"][1]) == result(copied["03"][1]) == result(copied["03 repo"][1])
+    assert result(copied["02"][1]) == result(copied["03"][1])
     if "09" in copied:
-        assert result(copied["09"][1])[1] == result(copied["03 repo"][1])[1]
+        assert result(copied["09"][1])[1] == result(copied["03"][1])[1]
 
 
 def test_a_copied_step_refuses_a_count_of_0_in_one_line(tmp_path):
