@@ -60,14 +60,14 @@ def rekeyed(optim_state: dict, key) -> dict:
 
 def save_gathered(path, model_state, optim_state, scheduler, epochs_done, **extra):
     """07's one file, from the state gathered to rank 0: any step, or a plain Net, loads it.
-    Written through a temporary file and a rename (common.save_atomically): a crash mid-save
+    Written through a temporary file and a rename (common.save_torch): a crash mid-save
     leaves the previous checkpoint whole; weights gone NaN would replace a good one: refused."""
     if not all(torch.isfinite(t).all() for t in model_state.values() if t.is_floating_point()):
         raise common.UserError(f"the weights became NaN or infinite; not saving them over "
                                f"{path}. Try a lower --lr")
     state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
              "epoch": epochs_done, **extra}
-    common.save_atomically(path, lambda temporary: torch.save(state, temporary))
+    common.save_torch(path, state)
 
 
 def resume(path, run, model, optimizer, scheduler, settings):

@@ -68,11 +68,7 @@ def own_checkpoint(latest, settings, run):
     settings wrote it (as in 07: another run's results are not this run's)."""
     if not latest.exists():  # (a link to nothing does not exist)
         return None
-    differ = common.differences(saved_settings(latest), settings)
-    if differ:
-        common.log(run, f"not resuming from {latest}: another run wrote it ({differ}); starting "
-                        f"afresh: this run's first checkpoint replaces it")
-    return None if differ else latest
+    return common.adopted(latest, saved_settings(latest), settings, run)
 
 
 def why(err, folder=None) -> str:
@@ -110,10 +106,10 @@ class Commits:
         try:  # never through a link planted at the name: its target is not ours to fill
             if os.path.lexists(folder) and not made_by_09(folder):
                 kind = "a symbolic link" if folder.is_symlink() else "not a folder"
-                raise OSError(errno.EEXIST, f"it is {kind}, and 09 writes only into folders it makes")
+                raise OSError(errno.EEXIST,
+                              f"it is {kind}, and 09 writes only into folders it makes")
             folder.mkdir(exist_ok=True)
-            common.save_atomically(folder / f"rng-rank{self.run.rank}.pt",
-                                   lambda temporary: torch.save(rng, temporary))  # its own
+            common.save_torch(folder / f"rng-rank{self.run.rank}.pt", rng)  # its own
             if self.run.is_main:  # which run wrote it (own_checkpoint reads it)
                 common.save_atomically(folder / "run.json", lambda temporary:
                                        temporary.write_text(json.dumps(self.settings)))
@@ -190,7 +186,7 @@ class Commits:
 
 class MetadataUnpickler(pickle.Unpickler):
     """.metadata is a pickle, and a pickle may name any function to call (os.system, say): here
-    it may name only what DCP's metadata is made of (torch's own reader runs anything)."""
+    it may name only what DCP's metadata is made of (torch 2.14.1's reader unpickles it plainly)."""
 
     ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                ("pathlib._local", "PosixPath"), ("collections", "OrderedDict"),
@@ -218,7 +214,7 @@ class SafeReader(dcp.FileSystemReader):
 
 class SafePlanner(DefaultLoadPlanner):
     """DCP's planner; a saved value that is not a tensor (the epoch, the schedule) loads only if
-    it is plain data (torch itself loads it with weights_only=False, which runs code)."""
+    it is plain data (torch 2.14.1 loads it with weights_only=False, which can run code)."""
 
     def load_bytes(self, read_item, value):
         torch.load(value, weights_only=True)  # raises on anything but plain data

@@ -224,11 +224,8 @@ def train_step(model, images, labels, optimizer, plan, with_aux, args) -> None:
 
 
 def save_model(state: dict, path) -> None:
-    def write(temporary):  # through a Python file: a full disk then says "No space left on
-        with open(temporary, "wb") as file:  # device"; torch.save(state, a path) writes in
-            torch.save(state, file)  # C++, and fails with "unexpected pos ..." (torch 2.14.1)
     path.parent.mkdir(parents=True, exist_ok=True)
-    common.save_atomically(path, write)
+    common.save_torch(path, state)
 
 
 def save_and_reload(model, raw_model, test_images, run, args) -> float:

@@ -72,10 +72,8 @@ def log(run, message: str) -> None:
 
 
 def leave_at_once(code: int) -> None:
-    """End this process now with exit code `code`, skipping Python's teardown: a process group
-    whose collective failed cannot be destroyed cleanly (steps 10 and 12)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    """Exit now, skipping Python's teardown: a group whose collective failed cannot be ended."""
+    sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)
 
 
@@ -369,17 +367,17 @@ def load_datasets(args, run, download: bool) -> tuple[Digits, Digits]:
     """(train, test), cut to --train/--test-samples: MNIST in --data-dir through torchvision's
     reader (downloaded there by the processes given download=True while the others wait), or
     the synthetic digits above: --data synthetic, or --data auto where MNIST cannot be had."""
-    from torchvision.datasets import MNIST  # imported here: torchvision takes ~3 s to import
-
-    why, sets = None, None
+    why, sets, wanted = None, None, args.data != "synthetic"
+    if wanted:  # (offline, no need to pay torchvision's ~3 s import)
+        from torchvision.datasets import MNIST
     try:
-        for train in (True, False) if download and args.data != "synthetic" else ():
+        for train in (True, False) if download and wanted else ():
             MNIST(args.data_dir, train=train, download=True)  # (nothing, if the files are there)
     except Exception as err:  # noqa: BLE001 -- offline, a mirror down, a full disk ...
         why = err
     if dist.is_initialized():
         dist.barrier()  # the others read only once the files are complete
-    if args.data != "synthetic":
+    if wanted:
         try:
             sets = [MNIST(args.data_dir, train=train) for train in (True, False)]
         except RuntimeError as err:  # "Dataset not found"
@@ -578,8 +576,7 @@ class Progress:
         self.started, self.timing = self._now(), False
 
     def step(self, loss_sum: torch.Tensor, samples: int, samples_so_far: int) -> None:
-        """After every optimizer step, on every rank: `loss_sum` is the epoch's running sum on
-        this rank, `samples` this step's, `samples_so_far` the epoch's on this rank."""
+        """After every optimizer step, on every rank (the epoch's sums so far on this rank)."""
         self.step_index += 1
         if not self.timing:  # the clock starts after the epoch's first step
             now = self._now()
@@ -668,8 +665,7 @@ class Metrics:
 
 def save_atomically(path: Path, write) -> None:
     """write(temporary path), then rename it over `path`: a crash mid-write keeps the old file.
-    The temporary file is made new under a random name (mkstemp), so no link planted at a name
-    we would use can send the write elsewhere; os.replace renames, it follows no link."""
+    The temporary is made new under a random name (mkstemp): no planted link sends it elsewhere."""
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
     try:
@@ -680,10 +676,18 @@ def save_atomically(path: Path, write) -> None:
         raise
 
 
+def save_torch(path: Path, state) -> None:
+    """torch.save, atomically, through a Python file: a full disk then says "No space left on
+    device" (to a path torch.save writes in C++: "unexpected pos ...", torch 2.14.1)."""
+    def write(temporary):
+        with open(temporary, "wb") as file:
+            torch.save(state, file)
+    save_atomically(path, write)
+
+
 def save_checkpoint(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "epoch": epoch, **extra}
-    save_atomically(path, lambda temporary: torch.save(state, temporary))
+    save_torch(path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "scheduler": scheduler.state_dict(), "epoch": epoch, **extra})
 
 
 def restore_checkpoint(path: Path, run, model, optimizer, scheduler) -> dict:
@@ -785,8 +789,8 @@ def ignore_stop_signals(worker_id):
 
 
 def rng_state() -> dict:  # what this rank's dropout draws next, on the CPU and the GPU
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}
-    return {"cpu": torch.get_rng_state(), **cuda}
+    return {"cpu": torch.get_rng_state(),
+            **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {})}
 
 
 def set_rng_state(state: dict) -> None:
@@ -797,9 +801,8 @@ def set_rng_state(state: dict) -> None:
 
 def restarted(run) -> bool:
     """As in step 07: True on every rank if torchrun or SLURM restarted any (a collective)."""
-    mine = any(int(os.environ.get(name, 0)) > 0
-               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-    votes = torch.tensor(float(mine), device=run.device)
+    votes = torch.tensor(float(any(int(os.environ.get(name, 0)) > 0 for name in (
+        "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))), device=run.device)
     dist.all_reduce(votes)
     return bool(votes > 0)
 
@@ -821,8 +824,7 @@ def differences(saved, settings: dict, keys=()) -> str:
 
 
 def adopted(latest, saved, settings: dict, run):
-    """As in step 07: `latest` if this run's settings wrote it (`saved`: those it records), else
-    None and a line why (another run's results are not this run's: its first save replaces it)."""
+    """As in step 07: `latest` if this run's settings wrote it (`saved`), else None and why."""
     differ = differences(saved, settings)
     if differ:
         log(run, f"not resuming from {latest}: another run wrote it ({differ}); starting "
@@ -831,13 +833,11 @@ def adopted(latest, saved, settings: dict, run):
 
 
 def check_same_sample_order(saved, position: dict, settings: dict, path) -> None:
-    """As in step 07: mid-epoch, the rest of an epoch is the rest of the same order only with
-    the settings that order it (`saved`: those of the run that wrote the checkpoint)."""
+    """As in step 07: mid-epoch, only the settings that ordered the epoch (`saved`) continue it."""
     differ = differences(saved, settings, ("step", "data", "train_samples", "seed",
                                            "global_batch")) if position["step"] else ""
     if differ:
-        raise UserError(f"checkpoint {path} was written in the middle of an epoch, by a run "
-                        f"with other settings ({differ}): continuing it would skip some samples "
-                        f"and repeat others. Resume with that run's settings, or from a "
-                        f"checkpoint written at the end of an epoch")
+        raise UserError(f"checkpoint {path} was written in the middle of an epoch, by a run with "
+                        f"other settings ({differ}): continuing it would skip some samples and "
+                        f"repeat others. Resume with that run's settings, or from an epoch's end")
 
