@@ -41,17 +41,20 @@ def result(out) -> tuple:
 
 @pytest.fixture(scope="module")
 def copied(tmp_path_factory):
-    """00, 02, 03 and 09 copied out, each run offline; 00 in the repository too, on the same
-    flags. 09 checkpoints every 4 steps, beside a folder of the user's."""
+    """00, 02, 03, 03b (ZeRO-2 by hand) and 09 copied out, each run offline; 00 in the
+    repository too, on the same flags. 09 checkpoints every 4 steps, beside a folder of the
+    user's."""
     root = tmp_path_factory.mktemp("copied")
     folder = root / "steps"
-    copy_out(["00_single_gpu.py", "02_manual_ddp.py", "03_ddp_wrapper.py", LAST], folder)
+    copy_out(["00_single_gpu.py", "02_manual_ddp.py", "03_ddp_wrapper.py",
+              "03b_sharded_optimizer.py", LAST], folder)
     (root / "09" / "checkpoint-epoch-best").mkdir(parents=True)
     (root / "09" / "checkpoint-epoch-best" / "mine.txt").write_text("the user's")
     runs = {"folder": folder}
     for name, script, where, extra in [
             ("00", "00_single_gpu.py", folder, []), ("00 repo", "00_single_gpu.py", REPO, []),
             ("02", "02_manual_ddp.py", folder, []), ("03", "03_ddp_wrapper.py", folder, []),
+            ("03b", "03b_sharded_optimizer.py", folder, ["--zero", "2"]),
             *([("09", LAST, folder, ["--checkpoint-every", "4"])] if FSDP_ON_GLOO else [])]:
         out = root / name.replace(" ", "-")
         args = [script, *SMALL, *extra, "--out-dir", out]
@@ -65,7 +68,7 @@ def test_a_copied_step_runs_offline_and_prints_its_progress(copied):
     """Offline (a network namespace with a loopback only, where this machine allows one), on
     --data synthetic, with a progress line inside the epoch. The plain copy's lines have no
     FLOP rate (only the repository's harness measures it). (--quiet: test_ddp.py's copies.)"""
-    for name in ("00", "02", "03", "09"):
+    for name in ("00", "02", "03", "03b", "09"):
         if name not in copied:
             continue
         stdout = copied[name][0]
@@ -77,11 +80,12 @@ def test_a_copied_step_runs_offline_and_prints_its_progress(copied):
 
 def test_a_copied_step_trains_as_the_repository_does(copied):
     """The synthetic digits a copy draws are the repository's: 00 ends with the repository's
-    test loss and accuracy to the last digit; 02 with 03's (bit for bit on 2 ranks), and 09,
-    FSDP2 and DCP, with their accuracy, as the README's table has them. (That a copy of 02-05
-    trains as the repository does: test_ddp.py, on MNIST-format files.)"""
+    test loss and accuracy to the last digit; 02 and 03b (ZeRO-2 by hand) with 03's (bit for
+    bit on 2 ranks), and 09, FSDP2 and DCP, with their accuracy, as the README's table has
+    them. (That a copy of 02-05 trains as the repository does: test_ddp.py, on MNIST-format
+    files.)"""
     assert result(copied["00"][1]) == result(copied["00 repo"][1])
-    assert result(copied["02"][1]) == result(copied["03"][1])
+    assert result(copied["02"][1]) == result(copied["03"][1]) == result(copied["03b"][1])
     if "09" in copied:
         assert result(copied["09"][1])[1] == result(copied["03"][1])[1]
 
