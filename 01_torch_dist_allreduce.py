@@ -9,8 +9,8 @@ Run it:
     python 01_torch_dist_allreduce.py                                     # a world of one
     torchrun --standalone --nproc-per-node 2 01_torch_dist_allreduce.py --bench  # bandwidth sweep
 
-Look for: rank r starts with r + 1, so all_reduce(sum) gives N(N+1)/2 on each of N ranks. With
---bench, a 4 KiB message's tiny bandwidth: why DDP sends buckets (docs/steps.md, "01").
+Look for: all_reduce(sum) gives N(N+1)/2 on N ranks (rank r starts with r + 1); the ring by hand
+equals dist.all_reduce. --bench: 4 KiB's tiny bandwidth, why DDP sends buckets (docs/steps.md, "01").
 
 Read also: common.py (choose_device: this process's GPU, or the CPU).
 """
@@ -72,6 +72,59 @@ def demo_collectives(rank: int, world_size: int, device: torch.device) -> None:
     dist.barrier()
 
 
+def ring_all_reduce(tensor: torch.Tensor, rank: int, world_size: int) -> None:
+    """dist.all_reduce(SUM) written with sends and receives: the ring that NCCL and gloo run.
+
+    The tensor is cut into N chunks (unequal when N does not divide its length). Reduce-scatter:
+    N-1 steps, at each every rank sends one chunk to its right neighbour and adds the one that
+    arrives from its left; then rank r holds the whole sum of chunk r+1. All-gather: N-1 more
+    steps pass the finished chunks on around the ring. Each rank sends 2(N-1) chunks of 1/N of
+    the tensor: 2(N-1)/N times its size, for any N, where a tree or a star sends more.
+    """
+    chunks = tensor.tensor_split(world_size)  # views: writing them writes `tensor`
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for step in range(world_size - 1):  # reduce-scatter
+        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
+        chunks[receive].add_(exchange(chunks[send], chunks[receive], right, left))
+    for step in range(world_size - 1):  # all-gather
+        send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
+        chunks[receive].copy_(exchange(chunks[send], chunks[receive], right, left))
+
+
+def exchange(outgoing, like, right: int, left: int) -> torch.Tensor:
+    """Send `outgoing` to the right and receive a tensor shaped `like` from the left, posted
+    together (isend and irecv in one batch), then wait for both. Posted one after the other,
+    NCCL runs them in order on one GPU stream: on 2 ranks (right is left) each rank's send
+    could wait forever for the other's receive, queued behind that rank's own send. In a
+    batch, NCCL starts both at once (one ncclGroupStart/End); gloo runs them as they come."""
+    incoming = torch.empty_like(like)
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.irecv, incoming, left),
+                                           dist.P2POp(dist.isend, outgoing, right)]):
+        request.wait()
+    return incoming
+
+
+def demo_ring(rank: int, world_size: int, device: torch.device) -> None:
+    """The ring against dist.all_reduce on 1001 numbers (2, 3 or 4 ranks get unequal chunks):
+    integers, exact in any order of addition, then random floats, whose sums may round another
+    way in another order. The line gives the largest difference over all ranks."""
+    g = torch.Generator().manual_seed(rank)
+    differences = []
+    for data in (torch.randint(-1000, 1000, (1001,), generator=g).float(),
+                 torch.randn(1001, generator=g)):
+        ours, theirs = data.to(device, copy=True), data.to(device, copy=True)  # two tensors
+        ring_all_reduce(ours, rank, world_size)
+        dist.all_reduce(theirs)
+        differences.append((ours - theirs).abs().max())
+    largest = torch.stack(differences)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"ring all-reduce by hand (reduce-scatter, then all-gather: {2 * (world_size - 1)} "
+              f"steps) of 1001 numbers on {world_size} rank(s): largest difference from "
+              f"dist.all_reduce {largest[0].item():g} for integers, {largest[1].item():.3g} for "
+              f"random floats", flush=True)
+
+
 # Message sizes DDP sends (step 03): its first bucket, and every later one by default.
 DDP_BUCKETS = {2**20: "<- DDP's first bucket", 25 * 2**20: "<- DDP's other buckets (default)"}
 
@@ -79,38 +132,54 @@ DDP_BUCKETS = {2**20: "<- DDP's first bucket", 25 * 2**20: "<- DDP's other bucke
 def bench_all_reduce(rank: int, world_size: int, device: torch.device, max_mb: int) -> None:
     """All-reduce time over message sizes, with bandwidths as nccl-tests define them.
 
-    algbw = bytes / time. busbw = algbw x 2(n-1)/n: a ring all-reduce sends and receives each
-    byte 2(n-1)/n times per rank, so busbw compares with the link's speed for any n. Small
-    messages cost a nearly fixed latency, large ones approach the link's bandwidth: why DDP
-    sends gradients in buckets of megabytes rather than one all-reduce per parameter.
+    algbw = bytes / time. busbw = algbw x 2(n-1)/n, read off ring_all_reduce: each rank sends
+    n-1 chunks of bytes/n in its reduce-scatter and n-1 more in its all-gather, so busbw compares
+    with one link's speed for any n. Small messages cost a nearly fixed latency, large ones
+    approach the link's bandwidth: why DDP sends gradients in buckets of megabytes rather than
+    one per parameter. The last two columns: the same for ring_all_reduce, our ring in Python.
     """
     repeats, warmups = 5, 2
+    ring_repeats = 3  # our ring is slower (Python drives each step): fewer timings, fewer calls
     if rank == 0:
         print(f"\nall_reduce of float32 on {world_size} rank(s), {device.type}, backend "
               f"{dist.get_backend()}; time per call: the median of {repeats} timings of "
-              f"back-to-back calls\n(the slowest rank's), after {warmups} warm-up calls\n"
+              f"back-to-back calls\n(the slowest rank's), after {warmups} warm-up calls; the "
+              f"ring by hand: of {ring_repeats} timings of a quarter as many calls\n"
               f"{'bytes':>12} {'size':>10} {'time (us)':>11} {'algbw GB/s':>11} "
-              f"{'busbw GB/s':>11}", flush=True)
+              f"{'busbw GB/s':>11} {'ring (us)':>11} {'ring busbw':>11}", flush=True)
     largest = max_mb * 2**20
     sizes = {2**k for k in range(12, 33) if 2**k <= largest}  # 4 KiB, 8 KiB, ... 4 GiB
+    ring = lambda x: ring_all_reduce(x, rank, world_size)  # noqa: E731
     for size in sorted(sizes | {s for s in DDP_BUCKETS if s <= largest}):
         # Zeros: a sum of ones would double with every call and overflow; speed is the same.
         data = torch.zeros(size // 4, dtype=torch.float32, device=device)
         calls = max(1, min(100, 2**24 // size))  # about 16 MiB per timing: small ones repeat
         for _ in range(warmups):  # first calls set up connections and buffers
             dist.all_reduce(data)
-        per_call = [timed(lambda: [dist.all_reduce(data) for _ in range(calls)], device) / calls
-                    for _ in range(repeats)]
-        # The slowest rank decides how long a collective takes.
-        slowest = torch.tensor(per_call, dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        seconds = slowest.median().item()  # (of an odd count: the middle one)
-        algbw = size / seconds / 1e9
-        busbw = algbw * 2 * (world_size - 1) / world_size
+        ring(data)  # (a warm-up of ours too)
+        seconds = per_call(dist.all_reduce, data, calls, repeats, device)
+        ring_seconds = per_call(ring, data, max(1, calls // 4), ring_repeats, device)
+        algbw, ring_algbw = size / seconds / 1e9, size / ring_seconds / 1e9
+        bus_factor = 2 * (world_size - 1) / world_size
         if rank == 0:
             label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 1024} KiB"
             print(f"{size:>12} {label:>10} {seconds * 1e6:>11.1f} {algbw:>11.3f} "
-                  f"{busbw:>11.3f}  {DDP_BUCKETS.get(size, '')}".rstrip(), flush=True)
+                  f"{algbw * bus_factor:>11.3f} {ring_seconds * 1e6:>11.1f} "
+                  f"{ring_algbw * bus_factor:>11.3f}  {DDP_BUCKETS.get(size, '')}".rstrip(),
+                  flush=True)
+
+
+def per_call(reduce, data, calls: int, repeats: int, device) -> float:
+    """Seconds per call of reduce(data): `repeats` timings of `calls` calls each."""
+    return slowest_median([timed(lambda: [reduce(data) for _ in range(calls)], device) / calls
+                           for _ in range(repeats)], device)
+
+
+def slowest_median(per_call: list, device) -> float:
+    """The slowest rank decides how long a collective takes: the median of its timings."""
+    slowest = torch.tensor(per_call, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.median().item()  # (of an odd count: the middle one)
 
 
 def timed(fn, device) -> float:
@@ -156,6 +225,7 @@ def main():
         print(f"{world_size} rank(s), backend {backend}, device type {device.type}", flush=True)
 
     demo_collectives(rank, world_size, device)
+    demo_ring(rank, world_size, device)
     if args.bench:
         bench_all_reduce(rank, world_size, device, args.max_mb)
     dist.destroy_process_group()  # leave the group: every rank, at the end
