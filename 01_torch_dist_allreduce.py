@@ -10,7 +10,7 @@ Run it:
     torchrun --standalone --nproc-per-node 2 01_torch_dist_allreduce.py --bench  # bandwidth sweep
 
 Look for: all_reduce(sum) gives N(N+1)/2 on N ranks (rank r starts with r + 1); the ring by hand
-equals dist.all_reduce. --bench: 4 KiB's tiny bandwidth, why DDP sends buckets (docs/steps.md, "01").
+equals dist.all_reduce. --bench: why DDP sends buckets; the ring's speed (docs/steps.md, "01").
 
 Read also: common.py (choose_device: this process's GPU, or the CPU).
 """
@@ -73,7 +73,8 @@ def demo_collectives(rank: int, world_size: int, device: torch.device) -> None:
 
 
 def ring_all_reduce(tensor: torch.Tensor, rank: int, world_size: int) -> None:
-    """dist.all_reduce(SUM) written with sends and receives: the ring that NCCL and gloo run.
+    """dist.all_reduce(SUM) written with sends and receives: the ring gloo runs (NCCL's, too,
+    among the algorithms it chooses from).
 
     The tensor is cut into N chunks (unequal when N does not divide its length). Reduce-scatter:
     N-1 steps, at each every rank sends one chunk to its right neighbour and adds the one that
@@ -92,11 +93,12 @@ def ring_all_reduce(tensor: torch.Tensor, rank: int, world_size: int) -> None:
 
 
 def exchange(outgoing, like, right: int, left: int) -> torch.Tensor:
-    """Send `outgoing` to the right and receive a tensor shaped `like` from the left, posted
-    together (isend and irecv in one batch), then wait for both. Posted one after the other,
-    NCCL runs them in order on one GPU stream: on 2 ranks (right is left) each rank's send
-    could wait forever for the other's receive, queued behind that rank's own send. In a
-    batch, NCCL starts both at once (one ncclGroupStart/End); gloo runs them as they come."""
+    """Send `outgoing` to the right and receive a tensor shaped `like` from the left: both
+    posted, then both waited for. A blocking dist.send first on every rank would wait forever:
+    gloo's send ends once the receiver has posted its receive (even 4 bytes; torch 2.14.1 and
+    2.8.0). NCCL runs an unbatched isend, then irecv, in order on one stream (2.14.1 with
+    device_id: one for all peers; 2.8.0: one per pair), so a send could wait for a receive
+    queued behind the neighbour's own send. In one batch NCCL starts them together."""
     incoming = torch.empty_like(like)
     for request in dist.batch_isend_irecv([dist.P2POp(dist.irecv, incoming, left),
                                            dist.P2POp(dist.isend, outgoing, right)]):
@@ -136,20 +138,21 @@ def bench_all_reduce(rank: int, world_size: int, device: torch.device, max_mb: i
     n-1 chunks of bytes/n in its reduce-scatter and n-1 more in its all-gather, so busbw compares
     with one link's speed for any n. Small messages cost a nearly fixed latency, large ones
     approach the link's bandwidth: why DDP sends gradients in buckets of megabytes rather than
-    one per parameter. The last two columns: the same for ring_all_reduce, our ring in Python.
+    one per parameter. The last two columns: the same for ring_all_reduce, which sends a chunk
+    whole, then adds it; gloo's ring sends pieces of at most 1 MiB while it adds the one before.
     """
     repeats, warmups = 5, 2
-    ring_repeats = 3  # our ring is slower (Python drives each step): fewer timings, fewer calls
     if rank == 0:
         print(f"\nall_reduce of float32 on {world_size} rank(s), {device.type}, backend "
               f"{dist.get_backend()}; time per call: the median of {repeats} timings of "
               f"back-to-back calls\n(the slowest rank's), after {warmups} warm-up calls; the "
-              f"ring by hand: of {ring_repeats} timings of a quarter as many calls\n"
+              f"ring by hand: of a quarter as many calls (Python drives each of its steps)\n"
               f"{'bytes':>12} {'size':>10} {'time (us)':>11} {'algbw GB/s':>11} "
               f"{'busbw GB/s':>11} {'ring (us)':>11} {'ring busbw':>11}", flush=True)
     largest = max_mb * 2**20
     sizes = {2**k for k in range(12, 33) if 2**k <= largest}  # 4 KiB, 8 KiB, ... 4 GiB
     ring = lambda x: ring_all_reduce(x, rank, world_size)  # noqa: E731
+    bus_factor = 2 * (world_size - 1) / world_size  # (ring_all_reduce's docstring)
     for size in sorted(sizes | {s for s in DDP_BUCKETS if s <= largest}):
         # Zeros: a sum of ones would double with every call and overflow; speed is the same.
         data = torch.zeros(size // 4, dtype=torch.float32, device=device)
@@ -158,9 +161,8 @@ def bench_all_reduce(rank: int, world_size: int, device: torch.device, max_mb: i
             dist.all_reduce(data)
         ring(data)  # (a warm-up of ours too)
         seconds = per_call(dist.all_reduce, data, calls, repeats, device)
-        ring_seconds = per_call(ring, data, max(1, calls // 4), ring_repeats, device)
+        ring_seconds = per_call(ring, data, max(1, calls // 4), repeats, device)
         algbw, ring_algbw = size / seconds / 1e9, size / ring_seconds / 1e9
-        bus_factor = 2 * (world_size - 1) / world_size
         if rank == 0:
             label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 1024} KiB"
             print(f"{size:>12} {label:>10} {seconds * 1e6:>11.1f} {algbw:>11.3f} "

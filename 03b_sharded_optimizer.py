@@ -1,14 +1,14 @@
-"""Step 03b (side trip): ZeRO by hand. Every rank of 03 keeps the whole optimizer state; here
-each keeps and updates only its 1/N: gradients reduce-scattered, each rank's shard stepped, the
-weights all-gathered (ZeRO-1). --zero 2 reduce-scatters each bucket as backward produces it
-(02b's hooks), so a rank holds only its 1/N of the gradients too (ZeRO-2). Inside: docs/zero.md.
+"""Step 03b (side trip): ZeRO by hand: each rank keeps 1/N of 03's optimizer state. docs/zero.md
+
+Gradients are reduce-scattered, each rank steps its slice, the slices are all-gathered (ZeRO-1).
+--zero-stage 2 sends each bucket as backward makes it (02b's hooks): 1/N of the gradients too.
 
 Run it:
     torchrun --standalone --nproc-per-node 2 03b_sharded_optimizer.py
-    torchrun --standalone --nproc-per-node 3 03b_sharded_optimizer.py --zero 2
-    torchrun --standalone --nproc-per-node 2 03b_sharded_optimizer.py --zero torch
+    torchrun --standalone --nproc-per-node 3 03b_sharded_optimizer.py --zero-stage 2
 
-Look for: the losses of step 03 for the same seed, and each rank's share of the optimizer state.
+Look for: the losses of step 03 for the same seed, and "optimizer state per rank": 1/N of 03's
+(--zero torch: torch's ZeroRedundancyOptimizer, which gives each rank whole parameters).
 
 Read also: common.py, what every step shares (the flags, the digits, the CNN, Progress, Metrics).
 """
@@ -29,7 +29,7 @@ from torch.utils.data import DistributedSampler, Subset
 
 import common
 
-# Named so on torch 2.14.1, where the old names warn; 2.8.0 has only the old. Same arguments.
+# torch 2.14.1 names these two *_single and warns at the old names; 2.8.0 has only the old ones.
 reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
@@ -56,41 +56,41 @@ def setup(args):
 
 
 class ShardedSGD(torch.optim.SGD):
-    """03's SGD with momentum; each rank steps only its 1/N of every bucket of parameters."""
+    """03's SGD with momentum, but each rank keeps and steps only its slice of each bucket."""
 
-    def __init__(self, model, run, lr, stage):
+    def __init__(self, model, run, lr, stage, bucket_cap_mb=None):
         self.params, self.world, self.rank = list(model.parameters()), run.world_size, run.rank
-        # Stage 1: one bucket of all parameters, sent after backward. Stage 2: a bucket per
-        # parameter, sent as soon as backward has produced its gradient (02b's hooks).
-        self.stage, every = stage, range(len(self.params))
-        self.buckets = [[*every]] if stage == 1 else [[k] for k in reversed(every)]
-        # Rank r steps the r-th of N equal slices of each bucket: SGD's momentum for 1/N of it.
-        super().__init__([self.mine(i, self.params).clone() for i in range(len(self.buckets))],
-                         lr=lr, momentum=0.9)
-        self.shards, self.in_flight = self.param_groups[0]["params"], []
-        for i, [k] in enumerate(self.buckets if stage == 2 else []):  # (autograd calls it)
-            self.params[k].register_post_accumulate_grad_hook(lambda _, i=i: self.reduce_scatter(i))
+        # ZeRO-2: 02b's buckets, fixed once: last layer first (as backward produces them), each
+        # closed once it holds its cap (as DDP: 1 MiB the first, 25 the rest). ZeRO-1: one bucket.
+        cap, self.buckets = (bucket_cap_mb or 1) * 2**20 if stage == 2 else float("inf"), [[]]
+        for k in reversed(range(len(self.params))):
+            if sum(self.params[j].nbytes for j in self.buckets[-1]) >= cap:
+                self.buckets.append([])
+                cap = (bucket_cap_mb or 25) * 2**20
+            self.buckets[-1].append(k)  # (autograd calls the hook once k's .grad holds its sum)
+            self.params[k].register_post_accumulate_grad_hook(
+                lambda _, i=len(self.buckets) - 1: self.gradient_ready(i))
+        super().__init__([self.slices(i, self.params)[self.rank].clone()  # copies of its slices
+                          for i in range(len(self.buckets))], lr=lr, momentum=0.9)
+        self.shards, self.ready, self.in_flight = self.param_groups[0]["params"], {}, []
 
-    def padded(self, i, tensors):  # bucket i's tensors in a row, padded to N equal slices
+    def slices(self, i, tensors):  # bucket i's tensors in a row, padded: row r is rank r's slice
         flat = torch.cat([tensors[k].detach().flatten() for k in self.buckets[i]])
-        return F.pad(flat, (0, -len(flat) % self.world))
+        return F.pad(flat, (0, -len(flat) % self.world)).view(self.world, -1)
 
-    def mine(self, i, tensors):
-        return self.padded(i, tensors).chunk(self.world)[self.rank]
+    def gradient_ready(self, i):
+        """The bucket's last gradient (ZeRO-1: at the end of backward) sends it, times 1/N as DDP
+        does (reducer.cpp), summed over the ranks: each rank gets only its slice of the mean."""
+        self.ready[i] = self.ready.get(i, 0) + self.sync  # (train_one_epoch sets sync)
+        if self.ready[i] == len(self.buckets[i]):
+            flat = self.slices(i, [p.grad for p in self.params]).mul_(1 / self.world)
+            mean = flat.new_empty(flat.shape[1])
+            self.in_flight.append((reduce_scatter(mean, flat.flatten(), async_op=True), i, mean))
+            for k in self.buckets[i]:
+                self.params[k].grad = None  # whole gradients, dropped (ZeRO-2: bucket by bucket)
 
-    def reduce_scatter(self, i):
-        """Bucket i's gradients, each divided by N first (as DDP), summed over all ranks: this
-        rank receives only its slice of the mean, and no rank keeps the whole."""
-        grads = {k: self.params[k].grad * (1 / self.world) for k in self.buckets[i]}
-        flat = self.padded(i, grads)
-        mean = torch.empty(len(flat) // self.world, device=flat.device)
-        work = reduce_scatter(mean, flat, async_op=True)
-        self.in_flight.append((work, i, mean))
-        for k in self.buckets[i]:
-            self.params[k].grad = None
-
-    def gather(self, i, shard) -> dict:  # every rank's slice of bucket i: whole parameters
-        whole = torch.empty(len(shard) * self.world, device=shard.device)
+    def gather(self, i, shard) -> dict:  # every rank's slice of bucket i: whole tensors, by index
+        whole = shard.new_empty(len(shard) * self.world)
         all_gather(whole, shard)
         numels = [self.params[k].numel() for k in self.buckets[i]]
         return {k: part.view_as(self.params[k]) for k, part in zip(
@@ -98,37 +98,34 @@ class ShardedSGD(torch.optim.SGD):
 
     @torch.no_grad()
     def step(self):
-        if self.stage == 1:  # after backward, all at once
-            self.reduce_scatter(0)
-        for work, i, mean in self.in_flight:  # (stage 2: every micro-batch's)
+        for work, i, mean in self.in_flight:  # sent during backward
             work.wait()
-            shard = self.shards[i]
-            shard.grad = mean if shard.grad is None else shard.grad + mean
-        self.in_flight = []
-        super().step()  # 03's update, of this rank's slices only
-        for i, shard in enumerate(self.shards):  # with the reduce-scatter: one all-reduce's
-            for k, new in self.gather(i, shard).items():  # bytes, as 01's ring moves them
+            self.shards[i].grad = mean
+        self.ready, self.in_flight = {}, []
+        super().step()  # 03's update, sliced: momentum works element by element
+        # NCCL's reduce-scatter and this all-gather send the bytes of one all-reduce, which is a
+        # reduce-scatter then an all-gather (01's ring). gloo's reduce-scatter all-reduces: more.
+        for i, shard in enumerate(self.shards):
+            for k, new in self.gather(i, shard).items():
                 self.params[k].copy_(new)
 
     def consolidate_state_dict(self, to=0):
-        """03's format (SGD's, by parameter), gathered (a collective, named as torch's): any world
-        size resumes it, 03 too. (Each rank's own slices, resharded on load: 09's DCP.)"""
-        momenta = {k: {"momentum_buffer": m} for i, shard in enumerate(self.shards)
-                   if self.state[shard]  # (no momentum before the first step)
-                   for k, m in self.gather(i, self.state[shard]["momentum_buffer"]).items()}
+        """03's format (a whole momentum per parameter), gathered (a collective, as torch's): any
+        world size resumes it. 09's DCP saves each rank's slices instead, resharded on load."""
+        state = {k: {"momentum_buffer": m} for i, shard in enumerate(self.shards)
+                 for k, m in self.gather(i, self.state[shard]["momentum_buffer"]).items()}
         group = {**super().state_dict()["param_groups"][0], "params": [*range(len(self.params))]}
-        self.consolidated = {"state": momenta, "param_groups": [group]}
+        self.consolidated = {"state": state, "param_groups": [group]} if self.rank == to else None
 
     def state_dict(self):
         return self.consolidated
 
-    def load_state_dict(self, state_dict):
-        """This rank's slices of the saved momentum, and of the weights just loaded."""
+    def load_state_dict(self, state_dict):  # this rank's slices: of the weights just loaded, too
         saved = {k: state["momentum_buffer"] for k, state in state_dict["state"].items()}
         self.param_groups[0].update({**state_dict["param_groups"][0], "params": self.shards})
         for i, shard in enumerate(self.shards):
-            shard.copy_(self.mine(i, self.params))
-            self.state[shard] = {"momentum_buffer": self.mine(i, saved).clone()} if saved else {}
+            shard.copy_(self.slices(i, self.params)[self.rank])
+            self.state[shard] = {"momentum_buffer": self.slices(i, saved)[self.rank].clone()}
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
@@ -145,8 +142,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress):
         # those of the whole batch at once.
         micro_batches = list(zip(images.split(plan.micro_batch), labels.split(plan.micro_batch)))
         for i, (micro_images, micro_labels) in enumerate(micro_batches):
+            last = optimizer.sync = i == len(micro_batches) - 1  # (by hand: as 02b's hooks)
             # DDP all-reduces in every backward(); only the last micro-batch needs it.
-            last = i == len(micro_batches) - 1  # (by hand: no DDP, nothing to skip)
             with model.no_sync() if not last and isinstance(model, DDP) else nullcontext():
                 with run.autocast():
                     loss = F.cross_entropy(model(micro_images), micro_labels)
@@ -193,9 +190,13 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float,
                         metavar="MB", help="DDP's bucket size (default: 1 MiB for the first "
                         "bucket, 25 MiB for the others; a value sets all of them)")
-    parser.add_argument("--zero", choices=["1", "2", "torch"], default="1", help="1: shard the "
-                        "optimizer state; 2: the gradients too; torch: DDP and torch's ZeRO-1")
+    parser.add_argument("--zero-stage", type=int, choices=[1, 2], default=1,
+                        help="1: shard the optimizer state; 2: the gradients too")
+    parser.add_argument("--zero", choices=["hand", "torch"], default="hand",
+                        help="torch: 03's DDP and torch's ZeroRedundancyOptimizer (ZeRO-1)")
     args = parser.parse_args()  # every flag is checked here
+    if args.zero == "torch" and args.zero_stage == 2:
+        parser.error("--zero torch is ZeRO-1; torch shards gradients in FSDP (step 08)")
     run = setup(args)
     train_set, test_set = common.load_datasets(args, run, download=run.is_main)
     plan = common.plan_batches(args, run.world_size, len(train_set))
@@ -216,10 +217,11 @@ def main():
     # device_ids: the one GPU this rank drives (None on the CPU).
     model = DDP(raw_model, device_ids=[run.device] if run.device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb) if args.zero == "torch" else raw_model
-    for tensor in raw_model.state_dict().values() if model is raw_model else []:
+    for tensor in [] if args.zero == "torch" else raw_model.state_dict().values():
         dist.broadcast(tensor, src=0)  # by hand, without DDP: rank 0's weights to all (as 02)
-    optimizer = ShardedSGD(model, run, args.lr, stage=int(args.zero)) if model is raw_model else (
-        ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=args.lr, momentum=0.9))
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=args.lr,
+                                        momentum=0.9) if args.zero == "torch" else ShardedSGD(
+        raw_model, run, args.lr, args.zero_stage, args.bucket_cap_mb)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
     start_epoch = 0
     if args.resume:
@@ -227,7 +229,6 @@ def main():
                                          scheduler)["epoch"]
 
     results, test = common.Metrics(run, args), None
-    whole = sum(p.numel() * 4 for p in raw_model.parameters())  # 03's momentum, float32
     with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
             # Shuffling and dropout draw from these numbers alone, so a run resumed at this
@@ -253,11 +254,12 @@ def main():
             dist.barrier()  # no rank may read the checkpoint before it is complete
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(raw_model, test_loader, run)
-    state = getattr(optimizer, "optim", optimizer).state  # (torch's: its .optim's)
-    held = sum(tensor.nbytes for values in state.values() for tensor in values.values())
-    print(f"rank {run.rank} holds {held / whole:.1%} of 03's optimizer state", flush=True)
+    state = getattr(optimizer, "optim", optimizer).state.values()  # (torch's: its .optim's)
+    held = sum(t.nbytes for s in state for t in s.values())  # rank 0's: torch's, the largest layer
+    whole = sum(p.nbytes for p in raw_model.parameters())  # 03's momentum, on every rank
+    common.log(run, f"optimizer state per rank: {held / 2**20:.2f} MiB of {whole / 2**20:.2f} MiB")
     results.summary(__file__, args, plan, test, progress, optimizer_state_bytes=held,
-                    optimizer_state_bytes_unsharded=whole)  # (rank 0's)
+                    optimizer_state_bytes_unsharded=whole, zero_stage=args.zero_stage)
     del model  # DDP holds the process group: release it before the group is destroyed
     dist.destroy_process_group()
 

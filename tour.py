@@ -43,7 +43,7 @@ OWN_FLAGS = {"01_torch_dist_allreduce.py", "12_what_to_reduce.py"}
 STEPS = [
     ("00_single_gpu.py", False, "baseline: train and evaluate on one device",
      "read 00_single_gpu.py whole", []),
-    ("01_torch_dist_allreduce.py", True, "side trip: ranks and collectives",
+    ("01_torch_dist_allreduce.py", True, "side trip: collectives; a ring all-reduce by hand",
      "read 01_torch_dist_allreduce.py whole", []),
     ("02_manual_ddp.py", True, "data parallel by hand: sampler, broadcast, all-reduce",
      "diff -u 00_single_gpu.py 02_manual_ddp.py", []),
@@ -51,6 +51,8 @@ STEPS = [
      "diff -u 02_manual_ddp.py 02b_overlap_by_hand.py", []),
     ("03_ddp_wrapper.py", True, "the DDP wrapper: buckets that overlap backward",
      "diff -u 02_manual_ddp.py 03_ddp_wrapper.py", []),
+    ("03b_sharded_optimizer.py", True, "side trip: ZeRO by hand: 1/N of the optimizer",
+     "diff -u 03_ddp_wrapper.py 03b_sharded_optimizer.py", []),
     ("04_ddp_compile.py", True, "torch.compile on top of DDP",
      "diff -u 03_ddp_wrapper.py 04_ddp_compile.py", ["--compile"]),
     ("05_multinode.py", True, "many nodes: global, local and node rank",

@@ -71,6 +71,12 @@ def comparison(row: str, i: int, config, group: list, med: float) -> str:
         peak = [round(m) for m in extras["peak_memory_mib"][-1]]
         text = (f"weights+gradients+momentum {3 * 4 * held[0] / 2**20:.0f} MiB per "
                 f"rank; process peak per rank once built {built}, at most {peak}")
+    if row == "zero":  # the optimizer state each rank keeps, and the largest process's peak
+        state = (extras["optimizer_state_bytes"][-1]  # 03 reports none: all of it, 03b says
+                 or group[-1].extras["optimizer_state_bytes_unsharded"][-1]) / 2**20
+        rss = statistics.median(extras["max_rss_mib"])
+        text += ("; " if text else "") + (f"optimizer state per rank {state:.1f} MiB; "
+                                          f"peak resident memory of a rank {rss:,.0f} MiB")
     if row == "restart" and i == 1:
         lost = med - spread(group[0].values)[0]
         text = f"{lost:.1f} s lost to the kill (restart + redone steps)"

@@ -142,6 +142,16 @@ def configs(opts) -> list[Config]:
             Config("exposed", "03, 2 ranks, --profile", "03_ddp_wrapper.py",
                    [*two, "--profile"], nproc=2, metric="exposed", env=one_thread),
         ],
+        "zero": [  # 03's optimizer state whole on every rank, or 1/N of it (03b, ZeRO by hand)
+            Config("zero", name, script, [*two, "--width", "16", *flags], nproc=2,
+                   env=one_thread)
+            for name, script, flags in [
+                ("03 (DDP, whole optimizer state)", "03_ddp_wrapper.py", []),
+                ("03b ZeRO-1 by hand", "03b_sharded_optimizer.py", ["--zero-stage", "1"]),
+                ("03b ZeRO-2 by hand", "03b_sharded_optimizer.py", ["--zero-stage", "2"]),
+                ("03b torch's ZeroRedundancyOptimizer", "03b_sharded_optimizer.py",
+                 ["--zero", "torch"])]
+        ],
         "allreduce": [
             Config("allreduce", "01 --bench, 2 ranks, largest message",
                    "01_torch_dist_allreduce.py", ["--bench", "--max-mb", "16"], nproc=2,
@@ -156,6 +166,13 @@ def configs(opts) -> list[Config]:
             else:
                 print(f"skipping {config.name}: {config.script} does not exist yet", flush=True)
     return chosen
+
+
+# Runs a command and prints the peak resident memory of its largest process (a rank's): Linux
+# counts every descendant that was waited for in RUSAGE_CHILDREN's ru_maxrss (in KiB).
+LARGEST_PROCESS = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+                   "print(f'largest process: {resource.getrusage(resource.RUSAGE_CHILDREN)"
+                   ".ru_maxrss} KiB', file=sys.stderr); sys.exit(code)")
 
 
 def run_once(config: Config, out_dir: Path) -> float:
@@ -174,8 +191,11 @@ def run_once(config: Config, out_dir: Path) -> float:
         (out_dir / "probe").mkdir(parents=True)
         env["PROBE_DIR"] = str(out_dir / "probe")
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
+    proc = subprocess.run([sys.executable, "-c", LARGEST_PROCESS, *cmd], cwd=REPO, env=env,
+                          text=True, capture_output=True)
     wall = time.perf_counter() - started
+    rss = re.findall(r"^largest process: (\d+) KiB$", proc.stderr, re.M)
+    config.extras.setdefault("max_rss_mib", []).append(int(rss[-1]) / 1024 if rss else None)
     if proc.returncode != 0:
         raise SystemExit(f"{config.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     if config.metric == "busbw":  # the last row of 01's table: bytes, size, time, algbw, busbw
@@ -189,7 +209,8 @@ def run_once(config: Config, out_dir: Path) -> float:
         return 100 * breakdown["exposed_comm_ms"] / breakdown["step_ms"]
     summary = json.loads((out_dir / "summary.json").read_text())
     for key in ("first_step_seconds", "train_seconds", "params_per_rank", "params_total",
-                "mfu", "memory_after_build_mib", "peak_memory_mib"):
+                "mfu", "memory_after_build_mib", "peak_memory_mib", "optimizer_state_bytes",
+                "optimizer_state_bytes_unsharded"):
         config.extras.setdefault(key, []).append(summary.get(key))
     # 09's "checkpoint NAME: B s blocking training, then W s in the background", per save
     for blocking, background in re.findall(r"([\d.]+) s blocking training, then ([\d.]+) s",
@@ -210,7 +231,7 @@ def interleaved(configs: list, repeats: int):
 
 
 ROWS = ("scaling", "overhead", "minimal", "exposed", "wrapper", "compile", "streaming",
-        "checkpoints", "restart", "fsdp2", "dcp", "memory", "allreduce")
+        "checkpoints", "restart", "fsdp2", "dcp", "memory", "zero", "allreduce")
 
 
 def row_list(text: str) -> str:

@@ -296,4 +296,5 @@ CHECKED = {
     "--stop-at-loss": positive_float("--stop-at-loss"),  # 10's
     "--steps": integer(2, 1000, "--steps"),  # 11's: 2 at least, for a step with the aux head
     "--max-norm": positive_float("--max-norm"),  # 11's
+    "--zero-stage": integer(1, 2, "--zero-stage"),  # 03b's
 }

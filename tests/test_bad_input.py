@@ -154,7 +154,8 @@ def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):
 
 # ---------------------------------------------------------------- every flag, checked first
 STEPS = {"00": "00_single_gpu.py", "01": "01_torch_dist_allreduce.py", "02": "02_manual_ddp.py",
-         "02b": "02b_overlap_by_hand.py", "03": "03_ddp_wrapper.py", "04": "04_ddp_compile.py",
+         "02b": "02b_overlap_by_hand.py", "03": "03_ddp_wrapper.py",
+         "03b": "03b_sharded_optimizer.py", "04": "04_ddp_compile.py",
          "05": "05_multinode.py", "06": "06_streaming_h5.py", "07": "07_fault_tolerance.py",
          "08": "08_fsdp2.py", "09": "09_distributed_checkpoint.py", "10": "10_debugging.py"}
 BAD_FLAGS = [  # (step, arguments, what the one line must say)
@@ -183,6 +184,8 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("09", ["--resume", ""], "an empty path names nothing"),
     ("03", ["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a finite number above 0"),
     ("02b", ["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a finite number above 0"),
+    ("03b", ["--zero-stage", "3"], "--zero-stage must be from 1 to 2"),
+    ("03b", ["--zero", "torch", "--zero-stage", "2"], "--zero torch is ZeRO-1"),
     ("04", ["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a finite number above 0"),
     ("06", ["--h5-chunk", "0"], "--h5-chunk must be at least 1"),
     ("06", ["--h5-compression", "zip"], "invalid choice: 'zip'"),

@@ -54,7 +54,7 @@ def copied(tmp_path_factory):
     for name, script, where, extra in [
             ("00", "00_single_gpu.py", folder, []), ("00 repo", "00_single_gpu.py", REPO, []),
             ("02", "02_manual_ddp.py", folder, []), ("03", "03_ddp_wrapper.py", folder, []),
-            ("03b", "03b_sharded_optimizer.py", folder, ["--zero", "2"]),
+            ("03b", "03b_sharded_optimizer.py", folder, ["--zero-stage", "2"]),
             *([("09", LAST, folder, ["--checkpoint-every", "4"])] if FSDP_ON_GLOO else [])]:
         out = root / name.replace(" ", "-")
         args = [script, *SMALL, *extra, "--out-dir", out]
