@@ -1,17 +1,16 @@
-"""Step 07: survive failures. A killed rank, a preempted job or a time limit costs minutes.
+"""Step 07: preemption. SLURM ends a job at its time limit or for a higher priority one.
 
-Built on step 05. A process dies: `torchrun --max-restarts N` restarts the whole group, which
-continues from the newest checkpoint in --out-dir at the step it was written: the sampler skips
-what that checkpoint covers and every rank takes back its random state. SLURM sends SIGTERM: the
-ranks agree on a step, checkpoint there and exit 75 for a requeue. More: docs/fault-tolerance.md.
+Built on step 07b. SLURM sends SIGTERM (or --signal's USR1) and kills 30 s later: the handler only
+takes note, the ranks agree on a step, all checkpoint there, and exit 75 for a requeue, which
+continues there as 07b's restart does. More, with 07a and 07b: docs/fault-tolerance.md.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
         --max-restarts 3 07_fault_tolerance.py --checkpoint-every 100
     sbatch slurm/multinode.sh 07_fault_tolerance.py --checkpoint-every 100
 
-Look for: `kill -9` one worker: torchrun restarts the group, "resumed at step S of epoch E".
-SIGTERM to torchrun: "stopping at step S of epoch E (SIGTERM): checkpoint saved".
+Look for: SIGTERM to torchrun: "stopping at step S of epoch E (SIGTERM): checkpoint saved";
+`kill -9` one worker: torchrun restarts the group, "resumed at step S of epoch E" (as in 07b).
 """
 
 # The repository's checks and one-line errors (harness/__init__.py); a copied step runs without.
@@ -23,7 +22,6 @@ import os
 import signal
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,13 +48,6 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self):
         return super().__len__() - self.skip
-
-
-def any_rank(run, flag: bool) -> bool:
-    """True on every rank if `flag` is True on any (a collective: every rank calls it)."""
-    votes = torch.tensor(float(flag), device=run.device)
-    dist.all_reduce(votes)
-    return bool(votes > 0)
 
 
 class StopRequest:
@@ -116,22 +107,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
-def restarted() -> bool:
-    """True in a group that torchrun restarted, or a job that SLURM requeued."""
-    return any(int(os.environ.get(name, 0)) > 0
-               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-
-
-def run_settings(args, plan, train_set) -> dict:
-    """What makes a run the same run, saved with each checkpoint: the step, the data (a
-    fingerprint of its labels: MNIST and the synthetic digits differ), and the flags that order
-    an epoch's samples or shape the training. (Not the world size: with the same global batch,
-    any world size trains the same samples in the same steps.)"""
-    labels = train_set.labels.long()
-    return {"step": Path(__file__).name, "data": int((labels * torch.arange(len(labels))).sum()),
-            "train_samples": len(train_set), "seed": args.seed, "global_batch": plan.global_batch,
-            **{key: vars(args)[key] for key in ("width", "dropout", "lr", "lr_scaling",
-                                                "warmup_steps")}}
+def restarted(run) -> bool:
+    """True on every rank if torchrun restarted the group, or SLURM requeued the job, on any
+    (a collective: an agent restarted because another node failed does not count it)."""
+    votes = torch.tensor(float(any(int(os.environ.get(name, 0)) > 0 for name in (
+        "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))), device=run.device)
+    dist.all_reduce(votes)
+    return bool(votes > 0)
 
 
 def own_checkpoint(latest, settings, run):
@@ -145,10 +127,7 @@ def own_checkpoint(latest, settings, run):
 
 
 def resume(path, run, model, optimizer, scheduler, settings):
-    """Load `path`; returns the epoch to continue, the position in it, this rank's RNG state.
-    Mid-epoch, the rest of the epoch is the rest of the same shuffled order only with the same
-    data, seed and global batch: otherwise refused, naming what differs (it would skip some
-    samples and train others twice)."""
+    """Load `path`; returns the epoch to continue, the position in it, this rank's RNG state."""
     saved = common.restore_checkpoint(path, run, model, optimizer, scheduler)
     position, states = saved.get("position") or EPOCH_START, saved.get("rng") or []
     common.check_same_sample_order(saved.get("run"), position, settings, path)
@@ -193,7 +172,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, po
 
 
 def evaluate(model, loader, run):
-    """Loss and accuracy over the whole test set, summed over every rank's shard (as in 03)."""
+    """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
+    correct answers, samples), then the sums are added up over all ranks."""
     sums = common.test_sums(model, loader, run)
     dist.all_reduce(sums)
     return common.test_results(sums)
@@ -212,28 +192,37 @@ def main():
     run = common.setup_distributed(args)
     results = common.Metrics(run, args)  # (in the repository: one run at a time per --out-dir)
     nodes = common.report_topology(run)  # as in 05
+    # One download per node (its local rank 0): each node may have its own disk.
     train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args, run.world_size, len(train_set))
-    compiled = common.compile_choice(args, run)
+    compiled = common.compile_choice(args, run)  # default: on GPUs, if the node can build
     common.announce(run, args, plan, __file__, compile="on" if compiled else "off")
+    # Every rank shuffles with the same seed, then takes every world_size-th index from its
+    # rank on: disjoint shares that together cover the set. When the set does not divide,
+    # the sampler pads with repeats so all ranks run the same number of steps.
     train_sampler = ResumableSampler(train_set, num_replicas=run.world_size, rank=run.rank,
                                      shuffle=True, seed=args.seed)
     train_loader = common.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
                                       worker_init_fn=ignore_stop_signals, drop_last=True)
-    test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))  # as in 03
+    # Evaluation must count every test sample exactly once, so no sampler padding here:
+    # a strided shard per rank, of unequal sizes when the set does not divide.
+    test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
     test_loader = common.make_loader(test_shard, 1000, run, args)
 
     raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
-    model = DDP(torch.compile(raw_model) if compiled else raw_model,  # as in 04
+    # DDP broadcasts rank 0's weights now and averages gradients in every backward().
+    # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
+    # (see the top); evaluation and checkpoints keep using the plain raw_model.
+    model = DDP(torch.compile(raw_model) if compiled else raw_model,
                 device_ids=[run.device] if run.device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
-    latest, settings = args.out_dir / "checkpoint.pt", run_settings(args, plan, train_set)
-    # Any rank restarted: all resume (an agent restarted because another node failed does not
-    # count that restart). --resume is for the first attempt: a restart continues from what
-    # this run saved since, if it did.
-    if any_rank(run, restarted()):
+    latest = args.out_dir / "checkpoint.pt"
+    settings = common.run_settings(__file__, args, plan, train_set)  # saved: see resume()
+    # Restarted: continue from what this run saved since its start, if it did (--resume is
+    # for the first attempt).
+    if restarted(run):
         args.resume = own_checkpoint(latest, settings, run) or args.resume
     start_epoch, position, rng = 0, EPOCH_START, None
     if args.resume:
@@ -280,8 +269,6 @@ def main():
             samples_per_sec = progress.end_epoch()
             test = evaluate(raw_model, test_loader, run)  # raw_model: as in 03
             results.epoch(epoch, train_loss, test, samples_per_sec, scheduler.last_step_lr())
-            if epoch == start_epoch:
-                common.log(run, common.describe_buckets(model))  # as in 03
             save(epoch + 1)
     if test is None:  # resumed a finished run: evaluate only
         test = evaluate(raw_model, test_loader, run)

@@ -1,10 +1,10 @@
-"""Step 08: shard instead of replicate. FSDP2, for a model too large for one device.
+"""Step 08: FSDP2's choices at scale, and what each rank holds, measured.
 
-Built on step 07. DDP keeps the whole model, its gradients and optimizer state on every rank;
-`fully_shard` (FSDP2) keeps 1/N of each, and gathers a layer's weights only while it computes.
-The model is built on the meta device (no memory) and filled from rank 0's copy. Checkpoints are
-07's (its restart mechanics now come from common.py): one file, gathered to rank 0. What is not
-sharded, mixed precision, HSDP: docs/fsdp.md.
+Built on step 08b. --hsdp shards within a node and replicates across nodes (a 2-D mesh: the
+all-gathers stay on the node's fast links); --mixed-precision computes in bf16 and averages the
+gradients in fp32; --no-reshard-after-forward keeps the gathered weights from forward to
+backward (memory for one all-gather less). summary.json gets every rank's parameters, optimizer
+state and peak memory. When each choice pays: docs/fsdp.md.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -33,16 +33,18 @@ from torch.utils.data import Subset
 
 import common
 from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest,  # 07's
-                    ignore_stop_signals, restarted, rng_state, run_settings, set_rng_state)
+                    ignore_stop_signals, restarted, rng_state, set_rng_state)
 
 if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed the gradients
-    print(f"error: 08_fsdp2.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 summed gradients "
-          f"instead of averaging them); this is torch {torch.__version__}", file=sys.stderr)
+    print(f"error: 08_fsdp2.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 summed "
+          f"gradients, not averaged); this is torch {torch.__version__}", file=sys.stderr)
     sys.exit(2)
 
 
 def own_checkpoint(latest, settings, run):
-    """As in 07: the checkpoint this run saved, if any (another run's is left alone)."""
+    """What a restarted group continues from: the checkpoint this run saved, if any. Another
+    run's in the same --out-dir (a finished one, say) is left alone: continuing it would report
+    that run's results under this run's flags (common.adopted says so in a line)."""
     if not latest.is_file():
         return None
     saved = torch.load(latest, map_location="cpu", weights_only=True)
@@ -50,30 +52,15 @@ def own_checkpoint(latest, settings, run):
 
 
 def rekeyed(optim_state: dict, key) -> dict:
-    """The optimizer state with parameter p's key replaced by key[p]. torch's state-dict API
-    names parameters ("fc1.weight"), optimizer.state_dict() numbers them (0, 1, ...): the file
-    keeps the numbers, so that any step, or a plain Net and its SGD, loads it."""
-    return {"state": {key[p]: s for p, s in optim_state["state"].items()},
-            "param_groups": [{**g, "params": [key[p] for p in g["params"]]}
-                             for g in optim_state["param_groups"]]}
-
-
-def save_gathered(path, model_state, optim_state, scheduler, epochs_done, **extra):
-    """07's one file, from the state gathered to rank 0: any step, or a plain Net, loads it.
-    Written through a temporary file and a rename (common.save_torch): a crash mid-save
-    leaves the previous checkpoint whole; weights gone NaN would replace a good one: refused."""
-    if not all(torch.isfinite(t).all() for t in model_state.values() if t.is_floating_point()):
-        raise common.UserError(f"the weights became NaN or infinite; not saving them over "
-                               f"{path}. Try a lower --lr")
-    state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
-             "epoch": epochs_done, **extra}
-    common.save_torch(path, state)
+    """The optimizer state with parameter p's key replaced by key[p]: torch's state-dict API
+    names parameters ("fc1.weight"), the file numbers them (0, 1, ...) as any step's SGD does."""
+    return {"state": {key[p]: s for p, s in optim_state["state"].items()}, "param_groups": [
+        {**g, "params": [key[p] for p in g["params"]]} for g in optim_state["param_groups"]]}
 
 
 def resume(path, run, model, optimizer, scheduler, settings):
     """Load `path` into the shards (every rank reads the whole file and keeps its own part);
-    returns the epoch to continue, the position in it, this rank's RNG state. (As in 07:
-    mid-epoch, only with the settings that ordered the epoch's samples.)"""
+    returns the epoch to continue, the position in it, this rank's RNG state."""
     saved = torch.load(path, map_location="cpu", weights_only=True)
     names = [name for name, _ in model.named_parameters()]  # by number: the file's order
     set_state_dict(model, optimizer, model_state_dict=saved["model"],
@@ -124,8 +111,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, po
 
 
 def evaluate(model, loader, run):
-    """As in 07, but every forward all-gathers weights: a rank with fewer test batches runs
-    blank ones, counting none. How many is agreed before the first forward."""
+    """Loss and accuracy over the whole test set: each rank sums over its shard (loss,
+    correct answers, samples), then over all ranks. Every forward all-gathers weights: a rank
+    with fewer test batches runs blank ones, counting none (how many: agreed before)."""
     most = torch.tensor(len(loader), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most test batches any rank has
     sums = common.test_sums(model, loader, run)
@@ -194,20 +182,26 @@ def main():
         args.mixed_precision = False
     results = common.Metrics(run, args)  # (in the repository: one run at a time per --out-dir)
     nodes = common.report_topology(run)  # as in 05
+    # One download per node (its local rank 0): each node may have its own disk.
     train_set, test_set = common.load_datasets(args, run, download=run.local_rank == 0)
     plan = common.plan_batches(args, run.world_size, len(train_set))
     common.announce(run, args, plan, __file__,
                     mixed_precision="bf16/fp32" if args.mixed_precision else "off")
+    # Every rank shuffles with the same seed, then takes every world_size-th index from its
+    # rank on: disjoint shares that together cover the set. When the set does not divide,
+    # the sampler pads with repeats so all ranks run the same number of steps.
     train_sampler = ResumableSampler(train_set, num_replicas=run.world_size, rank=run.rank,
                                      shuffle=True, seed=args.seed)
     train_loader = common.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
                                       worker_init_fn=ignore_stop_signals, drop_last=True)
-    test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))  # as in 03
+    # Evaluation must count every test sample exactly once, so no sampler padding here:
+    # a strided shard per rank, of unequal sizes when the set does not divide.
+    test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
     test_loader = common.make_loader(test_shard, 1000, run, args)
 
-    # On the meta device a model has shapes and no memory. shard() splits each parameter over
-    # the ranks, to_empty() allocates this rank's shards (uninitialised), and rank 0's full
-    # copy is broadcast into them, one whole tensor at a time: only rank 0 holds the whole model.
+    # On the meta device a model has shapes and no memory: building it initialises nothing.
+    # shard() splits each parameter over the ranks first: to_empty() allocates only this rank's
+    # shards, and rank 0's copy is broadcast into them: only rank 0 holds the whole model.
     with torch.device("meta"):
         model = common.build_model(args, seed=args.seed)
     shard(model, run, args).to_empty(device=run.device)
@@ -222,11 +216,10 @@ def main():
     # The optimizer comes after shard(): it must hold the sharded parameters.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
-    latest, settings = args.out_dir / "checkpoint.pt", run_settings(__file__, args, plan,
-                                                                     train_set)
-    # Any rank restarted: all resume (an agent restarted because another node failed does not
-    # count that restart). --resume is for the first attempt: a restart continues from what
-    # this run saved since, if it did.
+    latest = args.out_dir / "checkpoint.pt"
+    settings = common.run_settings(__file__, args, plan, train_set)  # saved: see resume()
+    # Restarted: continue from what this run saved since its start, if it did (--resume is
+    # for the first attempt).
     if restarted(run):
         args.resume = own_checkpoint(latest, settings, run) or args.resume
     start_epoch, position, rng = 0, EPOCH_START, None
@@ -246,10 +239,12 @@ def main():
         # The whole state, gathered to rank 0's CPU a tensor at a time (the others get {}).
         model_state, optim = get_state_dict(model, optimizer, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
-        if run.is_main:  # the only rank that holds the gathered state
+        if run.is_main:  # the only rank that holds the gathered state: 07's file, atomically
             numbers = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-            save_gathered(latest, model_state, rekeyed(optim, numbers), scheduler, epochs_done,
-                          position=done if step else None, rng=rng_states, run=settings)
+            common.save_torch(latest, {"model": model_state, "optimizer": rekeyed(optim, numbers),
+                                       "scheduler": scheduler.state_dict(), "epoch": epochs_done,
+                                       "position": done if step else None, "rng": rng_states,
+                                       "run": settings})
         dist.barrier()  # no rank may read the checkpoint before it is complete
 
     def after_step(step, loss_sum, samples):

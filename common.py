@@ -1,13 +1,10 @@
-"""What every step shares, read once: who a process is, its device, the process group, seeding,
-the batch plan, the learning rate, the digits, the CNN, the flags, progress and summary.json,
-checkpoints, the profiler; and for step 09, what 07 and 08 write out: the restart mechanics and
-the report of what each rank holds.
+"""What every step shares, read once, in step order: who a process is, its device, the group,
+seeding, the batch plan, the learning rate, the digits, the CNN, the flags, progress and
+summary.json, checkpoints; then what 05 and 07a-07 write out, for the steps after them.
 
-Copy a step and this file into an empty folder and the step runs there, with torch alone. In
-the repository, a step's first line takes in harness/, which replaces some of these functions
-by checked ones (every flag's range, one-line errors on every rank, the --out-dir lock, safe
-checkpoint reading, FLOPs and MFU): same training, same numbers. This file imports nothing of
-ours; harness/__init__.py lists what the harness replaces.
+Copy a step and this file into an empty folder and the step runs there, with torch alone. In the
+repository, a step's first line takes in harness/, which replaces some of these functions by
+checked ones that train the same (harness/__init__.py lists them). This imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -155,21 +152,6 @@ def setup_distributed(args) -> Run:
                             timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if device.type == "cuda" else None)
     return Run(device, rank, local_rank, world_size, amp=args.amp, backend=backend)
-
-
-def describe_buckets(model) -> str:
-    """DDP's gradient buckets, as step 03 writes out (steps 04 on call this). DDP's own report
-    is a private method, looked up: no public API says which parameters share a bucket."""
-    info = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
-    if "rebuilt_bucket_sizes" not in info:  # too few steps yet, or a torch without the report
-        return "DDP's gradient buckets: not reported yet (DDP reports them after a few steps)"
-    names = [name.removeprefix("_orig_mod.") for name, _ in model.module.named_parameters()]
-    buckets = zip(info["rebuilt_bucket_sizes"].split(", "),
-                  info["rebuilt_per_bucket_param_indices"].split(", "))
-    return "DDP's gradient buckets, in the order they are all-reduced:\n" + "\n".join(
-        f"  bucket {i}: {int(size) / 2**20:.3f} MiB: "
-        f"{', '.join(names[int(p)] for p in indices.split())}"
-        for i, (size, indices) in enumerate(buckets))
 
 
 def compile_choice(args, run: Run) -> bool:
@@ -701,7 +683,7 @@ def restore_checkpoint(path: Path, run, model, optimizer, scheduler) -> dict:
     return saved
 
 
-# ---------------------------------------------------------------- 05's who-is-who, for 07-09
+# ---------------------------------------------------------------- 05's who-is-who, for 07b-09
 def use_srun_identity() -> None:
     """As in step 05: under `srun` without torchrun, SLURM's variables say who a process is."""
     env = os.environ
@@ -729,7 +711,7 @@ def report_topology(run) -> int:
     return len({node for node, *_ in everyone})
 
 
-# ---------------------------------------------------------------- 07's restart mechanics, for 08, 09
+# ---------------------------------------------------------------- 07's restart mechanics (07a-07), for 08, 09
 EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
 # SLURM's SIGTERM (USR1/USR2 with --signal) and what else torchrun forwards to its workers.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -737,7 +719,7 @@ EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # steps done, and thei
 
 
 class ResumableSampler(DistributedSampler):
-    """As in step 07: skips the `skip` samples (of the same order) that a checkpoint covers."""
+    """As in step 07a: skips the `skip` samples (of the same order) that a checkpoint covers."""
     skip = 0
 
     def __iter__(self):
@@ -800,7 +782,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def restarted(run) -> bool:
-    """As in step 07: True on every rank if torchrun or SLURM restarted any (a collective)."""
+    """As in step 07b: True on every rank if torchrun or SLURM restarted any (a collective)."""
     votes = torch.tensor(float(any(int(os.environ.get(name, 0)) > 0 for name in (
         "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))), device=run.device)
     dist.all_reduce(votes)
@@ -808,8 +790,10 @@ def restarted(run) -> bool:
 
 
 def run_settings(script, args, plan, train_set) -> dict:
-    """As in step 07: what makes a run the same run, saved with each checkpoint."""
-    labels = train_set.labels.long()  # a fingerprint: MNIST and the synthetic digits differ
+    """What makes a run the same run, saved with each checkpoint (07a-09): the step, the data (a
+    fingerprint of its labels), the flags that order an epoch's samples or shape the training
+    (not the world size: with the same global batch, any trains the same samples per step)."""
+    labels = train_set.labels.long()
     return {"step": Path(script).name, "data": int((labels * torch.arange(len(labels))).sum()),
             "train_samples": len(train_set), "seed": args.seed, "global_batch": plan.global_batch,
             **{key: vars(args)[key] for key in ("width", "dropout", "lr", "lr_scaling",
@@ -817,14 +801,14 @@ def run_settings(script, args, plan, train_set) -> dict:
 
 
 def differences(saved, settings: dict, keys=()) -> str:
-    """As in step 07: `seed 0 -> 1, ...` for each setting that `saved` records otherwise."""
+    """`seed 0 -> 1, ...` for each setting that `saved` records otherwise."""
     saved = saved if isinstance(saved, dict) else {}
     return ", ".join(f"{key} {saved.get(key)!r} -> {settings[key]!r}"
                      for key in keys or settings if saved.get(key) != settings[key])
 
 
 def adopted(latest, saved, settings: dict, run):
-    """As in step 07: `latest` if this run's settings wrote it (`saved`), else None and why."""
+    """`latest` if this run's settings wrote it (`saved`), else None, and a line saying why."""
     differ = differences(saved, settings)
     if differ:
         log(run, f"not resuming from {latest}: another run wrote it ({differ}); starting "
@@ -833,7 +817,8 @@ def adopted(latest, saved, settings: dict, run):
 
 
 def check_same_sample_order(saved, position: dict, settings: dict, path) -> None:
-    """As in step 07: mid-epoch, only the settings that ordered the epoch (`saved`) continue it."""
+    """Mid-epoch, only the settings that ordered the epoch (`saved`) continue it: others would
+    skip some samples and train others twice (refused, naming what differs)."""
     differ = differences(saved, settings, ("step", "data", "train_samples", "seed",
                                            "global_batch")) if position["step"] else ""
     if differ:

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 def around(main) -> contextlib.ExitStack:
     """Enter every harness/stepNN_*.py's around(script) for step NN, whose main() this is."""
     script = Path(inspect.unwrap(main).__code__.co_filename)
-    number = script.name.split("_", 1)[0]
+    number = script.name.split("_", 1)[0].rstrip("ab")  # 07a and 07b: step 07's checks too
     stack = contextlib.ExitStack()
     with contextlib.ExitStack() as entering:  # one that fails to enter leaves the others
         entering.enter_context(stack)

@@ -16,7 +16,7 @@ from .flags import EPOCHS_LIMIT, STEPS_LIMIT, unreadable
 from .ranks import log
 
 REQUIRED = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int}
-# True while step 07, 08 or 09 runs (step07_fault_tolerance.around): they continue mid-epoch.
+# True while steps 07a-09 run (step07_fault_tolerance.around): they continue mid-epoch.
 CONTINUES_MID_EPOCH = False
 
 
@@ -148,7 +148,7 @@ def check_values(saved: dict, path: Path) -> None:
 def restore(path: Path, run, model, optimizer, scheduler) -> dict:
     """Load a checkpoint into the model, optimizer and scheduler; return it (its "epoch",
     the number of finished epochs, is where to continue). Steps 00-06 continue at an epoch's
-    start; one written in the middle of an epoch (by 07 or 08) is refused unless the step can
+    start; one written in the middle of an epoch (by 07a-08) is refused unless the step can
     continue there (CONTINUES_MID_EPOCH): they would train the epoch's first steps again."""
     checkpoint = load(path)
     step = (checkpoint.get("position") or {}).get("step", 0)
@@ -156,7 +156,7 @@ def restore(path: Path, run, model, optimizer, scheduler) -> dict:
         raise UserError(f"checkpoint {path} was written at step {step} of epoch "
                         f"{checkpoint['epoch'] + 1}, in the middle of it: this step continues "
                         f"only from the end of an epoch, and would train those {step} steps "
-                        f"again. Resume it with 07_fault_tolerance.py or 08_fsdp2.py, or use a "
+                        f"again. Resume it with 07a_exact_resume.py or a later step, or use a "
                         f"checkpoint written at the end of an epoch")
     try:
         model.load_state_dict(checkpoint["model"])

@@ -75,7 +75,7 @@ def check_lr_scaling(parser: Parser, args) -> None:
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "MASTER_PORT")
 # Counts SLURM and torchrun set, read as whole numbers too: the tasks of an srun (errors.report,
-# 05-09's use_srun_identity), and the restarts (07's restarted(), common.restarted(run)).
+# 05-09's use_srun_identity), and the restarts (07b's restarted(run), common.restarted(run)).
 COUNTS = ("SLURM_STEP_NUM_TASKS", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 # What use_srun_identity reads when srun started 2 tasks or more without torchrun (no RANK).
 SRUN_IDENTITY = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID",

@@ -156,8 +156,9 @@ def test_a_stalled_peer_fails_the_run_within_the_timeout(tmp_path):
 STEPS = {"00": "00_single_gpu.py", "01": "01_torch_dist_allreduce.py", "02": "02_manual_ddp.py",
          "02b": "02b_overlap_by_hand.py", "03": "03_ddp_wrapper.py",
          "03b": "03b_sharded_optimizer.py", "04": "04_ddp_compile.py",
-         "05": "05_multinode.py", "06": "06_streaming_h5.py", "07": "07_fault_tolerance.py",
-         "08": "08_fsdp2.py", "09": "09_distributed_checkpoint.py", "10": "10_debugging.py"}
+         "05": "05_multinode.py", "06": "06_streaming_h5.py", "07a": "07a_exact_resume.py",
+         "07b": "07b_restarts.py", "07": "07_fault_tolerance.py",
+         "08a": "08a_meta_device.py", "08b": "08b_fsdp2_shard.py", "08": "08_fsdp2.py", "09": "09_distributed_checkpoint.py", "10": "10_debugging.py"}
 BAD_FLAGS = [  # (step, arguments, what the one line must say)
     *[(step, ["--epochs", value], "--epochs") for step in ("00", "03") for value in ("0", "-1")],
     ("00", ["--epochs", "1.5"], "not a whole number"),
@@ -190,7 +191,11 @@ BAD_FLAGS = [  # (step, arguments, what the one line must say)
     ("06", ["--h5-chunk", "0"], "--h5-chunk must be at least 1"),
     ("06", ["--h5-compression", "zip"], "invalid choice: 'zip'"),
     ("07", ["--checkpoint-every", "-1"], "--checkpoint-every must be at least 0"),
+    ("07a", ["--checkpoint-every", "x"], "not a whole number"),
+    ("07b", ["--checkpoint-every", "-2"], "--checkpoint-every must be at least 0"),
     ("08", ["--width", "65"], "--width must be from 1 to 64"),
+    ("08a", ["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a finite number above 0"),
+    ("08b", ["--checkpoint-every", "-3"], "--checkpoint-every must be at least 0"),
     ("09", ["--checkpoint-every", "1.5"], "not a whole number"),
     ("09", ["import"], "invalid choice: 'import'"),
     ("01", ["--max-mb", "0"], "--max-mb must be from 1 to 4096"),
@@ -454,7 +459,7 @@ def test_00_to_06_refuse_a_mid_epoch_checkpoint(good_checkpoint, tmp_path):
                                          "--out-dir", tmp_path], check=False)
     assert proc.returncode == 2
     expect_one_error_line(proc, f"checkpoint {path} was written at step 1 of epoch 2, in the "
-                                f"middle of it", "Resume it with 07_fault_tolerance.py")
+                                f"middle of it", "Resume it with 07a_exact_resume.py")
     assert not (tmp_path / "summary.json").exists()
 
 

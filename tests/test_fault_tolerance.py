@@ -1,9 +1,10 @@
-"""Step 07 survives a killed rank and a SIGTERM, and the result equals a run that was never
-interrupted: the same weights (dropout on: the RNG states are restored too), the same reported
-training losses, a real samples/s.
+"""Steps 07a, 07b and 07 survive a killed rank and a SIGTERM, and the result equals a run that was
+never interrupted: the same weights (dropout on: the RNG states are restored too), the same
+reported training losses, a real samples/s.
 
-One uninterrupted run is the reference; a run with a rank killed mid-epoch under
-`torchrun --max-restarts 1`, and a run stopped by SIGTERM then requeued, must both end equal.
+One uninterrupted run of 07 is the reference; 07a killed mid-epoch and resumed with --resume,
+07b (and a copied 07) with a rank killed mid-epoch under `torchrun --max-restarts 1`, and 07
+stopped by SIGTERM then requeued, must all end equal to it.
 """
 
 import re
@@ -38,12 +39,34 @@ def uninterrupted(uninterrupted_07):
     return uninterrupted_07
 
 
+@PORT_TAKEN_RERUNS
+def test_07a_killed_mid_epoch_resumes_exactly_from_its_checkpoint(uninterrupted, args, tmp_path):
+    """07a has no restarts: rank 1 dies after step 27 (step 7 of epoch 2), the run fails, and the
+    user's --resume continues from the checkpoint of step 4 of epoch 2, to the same weights."""
+    killed = run_step("07a_exact_resume.py", [*args, "--out-dir", tmp_path], nproc=2,
+                      probe_dir=tmp_path / "probe_killed", env_extra={"PROBE_KILL": "1:27"},
+                      check=False)
+    assert killed.returncode != 0 and not (tmp_path / "summary.json").exists()
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["position"]["step"] == 4
+    proc = run_step("07a_exact_resume.py", [*args, "--out-dir", tmp_path, "--resume",
+                                            tmp_path / "checkpoint.pt"], nproc=2,
+                    probe_dir=tmp_path / "probe")
+    assert "resumed at step 4 of epoch 2" in proc.stdout
+    assert max_difference(rank_params(uninterrupted / "probe"),
+                          rank_params(tmp_path / "probe")) == 0.0
+    straight, resumed = read_summary(uninterrupted), read_summary(tmp_path)
+    assert resumed["test_correct"] == straight["test_correct"]
+    assert resumed["train_losses"] == pytest.approx(straight["train_losses"][1:], rel=1e-12)
+
+
 @pytest.mark.quick
 @PORT_TAKEN_RERUNS
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(
         uninterrupted, args, tmp_path):
     # Rank 1 dies after step 27 = step 7 of epoch 2; the last checkpoint is at step 4 of epoch 2.
-    proc = run_step("07_fault_tolerance.py", [*args, "--out-dir", tmp_path], nproc=2,
+    # 07b's restarts (07 runs the same code, read in `diff -u 07b_restarts.py 07_...`; a copied
+    # 07 is killed and restarted below).
+    proc = run_step("07b_restarts.py", [*args, "--out-dir", tmp_path], nproc=2,
                     probe_dir=tmp_path / "probe", env_extra={"PROBE_KILL": "1:27", **FRESH_STORE},
                     torchrun_extra=("--max-restarts", "1"))
     assert "resumed at step 4 of epoch 2" in proc.stdout
@@ -185,8 +208,9 @@ def test_an_epoch_too_short_for_ddp_to_report_its_buckets_still_saves(tmp_path):
 @PORT_TAKEN_RERUNS
 def test_a_job_stopped_near_the_end_of_an_epoch_finishes_after_its_restart(mnist_root, tmp_path):
     """Checkpointed at step 7 of an 8-step epoch, then a rank dies: the restarted group trains
-    one step, in which its new DDP cannot report buckets yet. That used to crash before the
-    end-of-epoch save, so the checkpoint stayed at step 7 and every restart crashed again."""
+    one step, then saves the epoch's end. (When 07 printed DDP's bucket report, which a new DDP
+    has not made after one step, that crashed before the save, so the checkpoint stayed at step
+    7 and every restart crashed again; 03's report now says "not reported yet", tested above.)"""
     proc = run_step("07_fault_tolerance.py",
                     ["--data", "mnist", "--data-dir", mnist_root, "--train-samples", 512,
                      "--batch-size", 64, "--checkpoint-every", 7, "--epochs", 1,

@@ -1,6 +1,7 @@
-"""Step 08: FSDP2 trains like DDP, shards what each rank holds, resumes a killed rank exactly
-from its one-file checkpoint (which a plain Net and step 00 load), shards within nodes with
---hsdp, and evaluates on more ranks than test samples.
+"""Steps 08a, 08b and 08: the model built on the meta device under DDP is 07's to the bit (08a);
+FSDP2 trains like DDP, shards what each rank holds, resumes a killed rank exactly from its
+one-file checkpoint (which a plain Net and step 00 load), evaluates on more ranks than test
+samples (08b), and shards within nodes with --hsdp (08).
 
 The runs are 2 epochs of 20 steps (conftest.RESTART_ARGS); a run's weights are read back from
 its checkpoint.pt, a plain file written by rank 0 from the state gathered from every shard.
@@ -18,7 +19,7 @@ from conftest import (PORT_TAKEN_RERUNS, REPO, RESTART_ARGS, base_env,
                       start, torchrun_cmd)
 from harness.model import Net
 
-STEP = "08_fsdp2.py"
+STEP, SHARD = "08_fsdp2.py", "08b_fsdp2_shard.py"
 
 
 def saved_weights(out: Path) -> dict:
@@ -48,6 +49,17 @@ def test_fsdp2_ends_with_the_weights_of_ddp(straight, uninterrupted_07):
         read_summary(uninterrupted_07)["train_losses"], rel=1e-12)
 
 
+def test_the_model_built_on_the_meta_device_under_ddp_is_07s(uninterrupted_07, mnist_root,
+                                                            tmp_path):
+    """08a: only rank 0 computes the initial weights, broadcast into every rank's uninitialised
+    memory; 07's run, in which every rank computed them and DDP kept rank 0's, is the same."""
+    run_step("08a_meta_device.py", [*RESTART_ARGS, "--data-dir", mnist_root, "--out-dir",
+                                    tmp_path], nproc=2)
+    ddp = torch.load(uninterrupted_07 / "checkpoint.pt", weights_only=True)["model"]
+    assert max_difference(saved_weights(tmp_path), ddp) == 0.0
+    assert read_summary(tmp_path)["train_losses"] == read_summary(uninterrupted_07)["train_losses"]
+
+
 def test_each_rank_holds_half_of_the_parameters(straight):
     summary = read_summary(straight["out"])
     total = sum(p.numel() for p in Net().parameters())
@@ -63,8 +75,8 @@ def test_a_killed_rank_is_restarted_from_the_gathered_checkpoint_exactly(straigh
                                                                         tmp_path):
     """Rank 1 dies after step 27 (step 7 of epoch 2); the last checkpoint, at step 4 of epoch
     2, holds whole tensors that each rank of the restarted group splits into its shards again;
-    the run ends bit-identical to the uninterrupted one."""
-    proc = run_step(STEP, [*RESTART_ARGS, "--data-dir", mnist_root, "--out-dir", tmp_path],
+    the run ends bit-identical to the uninterrupted one. (08b: 08 saves and resumes alike.)"""
+    proc = run_step(SHARD, [*RESTART_ARGS, "--data-dir", mnist_root, "--out-dir", tmp_path],
                     nproc=2, probe_dir=tmp_path / "probe",
                     env_extra={"PROBE_KILL": "1:27", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": 1},
                     torchrun_extra=("--max-restarts", "1"))
@@ -108,8 +120,8 @@ def test_the_checkpoint_is_a_plain_one_that_step_00_evaluates_the_same(straight,
 
 def test_fewer_test_samples_than_ranks_evaluates_without_a_hang(tmp_path):
     """Rank 2 of 3 has no test sample, yet every forward is a collective (an all-gather): it
-    runs a blank one that counts nothing, so the others are not left waiting."""
-    run_step(STEP, ["--data", "synthetic", "--train-samples", 96, "--test-samples", 2,
+    runs a blank one that counts nothing, so the others are not left waiting. (08b; 08 alike.)"""
+    run_step(SHARD, ["--data", "synthetic", "--train-samples", 96, "--test-samples", 2,
                     "--batch-size", 48, "--epochs", 1, "--checkpoint-every", 0,
                     "--out-dir", tmp_path], nproc=3, timeout=120)
     summary = read_summary(tmp_path)

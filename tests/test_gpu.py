@@ -60,7 +60,11 @@ def train(script: str, args: list, out, nproc: int | None = RANKS, **kwargs):
     ("04_ddp_compile.py", RANKS, ["--compile"]),
     ("05_multinode.py", RANKS, []),
     ("06_streaming_h5.py", RANKS, []),
+    ("07a_exact_resume.py", RANKS, []),
+    ("07b_restarts.py", RANKS, []),
     ("07_fault_tolerance.py", RANKS, []),
+    ("08a_meta_device.py", RANKS, []),
+    ("08b_fsdp2_shard.py", RANKS, []),
     ("08_fsdp2.py", RANKS, []),
     ("09_distributed_checkpoint.py", RANKS, []),
 ])
