@@ -1,8 +1,8 @@
-"""What the harness checks around steps 07, 08 and 09 (their restart mechanics are their own,
+"""What the harness checks around steps 07a to 09 (their restart mechanics are their own,
 and common.py's): around(script) refuses restarts without a fresh store (check_restart_store),
 makes a stop signal that cannot wait for a checkpoint end as errors.run_main ends a signal's
 run (common.end_now, replaced while the step runs: one line, the watchdog), and lets the
-checked reading of common.restore_checkpoint continue a checkpoint written mid-epoch (07 and
+checked reading of common.restore_checkpoint continue a checkpoint written mid-epoch (07a to
 08 continue there; 00-06 refuse it). The --out-dir lock (claim_out_dir) comes in with
 common.Metrics.
 """
