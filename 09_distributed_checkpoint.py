@@ -1,6 +1,6 @@
 """Step 09: every rank writes its own shards. Distributed checkpoints (DCP), on any world size.
 
-Built on step 08, whose rank 0 gathers the whole state into one file. Here each rank writes its
+Built on step 08b, whose rank 0 gathers the whole state into one file. Here each rank writes its
 own shards with `dcp.async_save`, in the background; `dcp.load` reads N ranks' checkpoint on M;
 `export` writes one plain checkpoint.pt for step 00. More: docs/fsdp.md.
 
@@ -278,7 +278,7 @@ def export(path, out, args) -> None:
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, position, rng,
                     after_step):
-    """As in 08: returns the epoch's mean training loss, or None when after_step says stop."""
+    """As in 08b: returns the epoch's mean training loss, or None when after_step says stop."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
     samples, step = 0, position["step"]
@@ -311,7 +311,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, po
 
 
 def evaluate(model, loader, run):
-    """As in 08: a rank with fewer test batches runs blank ones (each forward all-gathers)."""
+    """As in 08b: a rank with fewer test batches runs blank ones (each forward all-gathers)."""
     most = torch.tensor(len(loader), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most test batches any rank has
     sums = common.test_sums(model, loader, run)
@@ -323,7 +323,7 @@ def evaluate(model, loader, run):
 
 
 def shard(model, run, args):
-    """FSDP2, as in 08 (whose --hsdp and --reshard-after-forward stay there)."""
+    """FSDP2, as in 08b, with 08's --mixed-precision (its --hsdp and resharding stay in 08)."""
     mesh = init_device_mesh(run.device.type, (run.world_size,))
     # On GPUs: compute in bf16 (half the bytes to gather), average gradients in fp32.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -364,7 +364,7 @@ def main():
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))  # as in 03
     test_loader = common.make_loader(test_shard, 1000, run, args)
 
-    with torch.device("meta"):  # as in 08: filled from rank 0's copy
+    with torch.device("meta"):  # as in 08b: filled from rank 0's copy
         model = common.build_model(args, seed=args.seed)
     shard(model, run, args).to_empty(device=run.device)
     set_model_state_dict(model, common.build_model(args, seed=args.seed).state_dict()
