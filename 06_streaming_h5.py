@@ -223,7 +223,7 @@ def main():
     raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
     # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
-    # (see the top); evaluation and checkpoints keep using the plain raw_model.
+    # (as in 04); evaluation and checkpoints keep using the plain raw_model.
     model = DDP(torch.compile(raw_model) if compiled else raw_model,
                 device_ids=[run.device] if run.device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb)

@@ -212,7 +212,7 @@ def main():
     raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
     # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
-    # (see the top); evaluation and checkpoints keep using the plain raw_model.
+    # (as in 04); evaluation and checkpoints keep using the plain raw_model.
     model = DDP(torch.compile(raw_model) if compiled else raw_model,
                 device_ids=[run.device] if run.device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb)
@@ -257,7 +257,7 @@ def main():
     test = None
     with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
-            common.seed_everything(args.seed, epoch, run.rank)  # as in 03: exact resume
+            common.seed_everything(args.seed, epoch, run.rank)  # as in 02: exact resume
             train_sampler.set_epoch(epoch)
             train_sampler.skip = position["step"] * plan.per_rank  # what a checkpoint covers
             progress.start_epoch(epoch, steps_done=position["step"])

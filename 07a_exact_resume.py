@@ -9,7 +9,7 @@ Run it (the second command continues where the first was stopped, Ctrl-C or kill
     torchrun --standalone --nproc-per-node 2 07a_exact_resume.py --checkpoint-every 10 \\
         --resume runs/07a_exact_resume/checkpoint.pt
 
-Look for: "resumed at step S of epoch E", and summary.json's losses equal to an unstopped run's.
+Look for: "resumed at step S of epoch E"; the losses of the epochs it ran equal a whole run's.
 
 Read also: common.py (check_same_sample_order: only the same settings continue mid-epoch).
 """
@@ -199,7 +199,7 @@ def main():
     raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
     # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
-    # (see the top); evaluation and checkpoints keep using the plain raw_model.
+    # (as in 04); evaluation and checkpoints keep using the plain raw_model.
     model = DDP(torch.compile(raw_model) if compiled else raw_model,
                 device_ids=[run.device] if run.device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb)

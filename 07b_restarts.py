@@ -3,7 +3,7 @@
 Built on step 07a. `torchrun --max-restarts N` restarts the whole group when a process dies; the
 new group sees TORCHELASTIC_RESTART_COUNT (SLURM's requeue: SLURM_RESTART_COUNT) and continues
 from the checkpoint this run saved, at its step, exactly as 07a's --resume does. From here on,
-05's who-is-who comes from common.py.
+05's who-is-who comes from common.py, and 03's bucket report is left out.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -166,7 +166,7 @@ def main():
     raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().
     # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
-    # (see the top); evaluation and checkpoints keep using the plain raw_model.
+    # (as in 04); evaluation and checkpoints keep using the plain raw_model.
     model = DDP(torch.compile(raw_model) if compiled else raw_model,
                 device_ids=[run.device] if run.device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb)

@@ -2,8 +2,8 @@
 
 Built on step 07 (whose restart mechanics now come from common.py). So far every rank built and
 initialised the whole model, and DDP then replaced the weights by rank 0's. Here only rank 0
-computes them: the other ranks allocate uninitialised memory, which DDP's broadcast fills. The
-result is 07's, to the bit; step 08b does the same with a model that does not fit on one rank.
+computes them: every rank allocates uninitialised memory, and torch's state-dict API fills it
+from rank 0's copy: 07's weights, to the bit. Step 08b does the same with a sharded model.
 
 Run it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted group meets at a fresh store):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
@@ -16,7 +16,6 @@ Look for: the same losses and accuracy as 07 (summary.json).
 try: import harness  # noqa: E701, F401
 except ModuleNotFoundError: pass  # noqa: E701
 import argparse
-import os
 from contextlib import nullcontext
 
 import torch
@@ -133,9 +132,9 @@ def main():
     set_model_state_dict(raw_model, common.build_model(args, seed=args.seed).state_dict()
                          if run.is_main else {}, options=StateDictOptions(
                              full_state_dict=True, broadcast_from_rank0=True))
-    # DDP broadcasts rank 0's weights now and averages gradients in every backward().
+    # DDP broadcasts rank 0's weights (the same here) and averages gradients in every backward().
     # device_ids: the one GPU this rank drives (None on the CPU). Compile inside the wrapper
-    # (see the top); evaluation and checkpoints keep using the plain raw_model.
+    # (as in 04); evaluation and checkpoints keep using the plain raw_model.
     model = DDP(torch.compile(raw_model) if compiled else raw_model,
                 device_ids=[run.device] if run.device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb)
@@ -180,7 +179,7 @@ def main():
     test = None
     with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
-            common.seed_everything(args.seed, epoch, run.rank)  # as in 03: exact resume
+            common.seed_everything(args.seed, epoch, run.rank)  # as in 02: exact resume
             train_sampler.set_epoch(epoch)
             train_sampler.skip = position["step"] * plan.per_rank  # what a checkpoint covers
             progress.start_epoch(epoch, steps_done=position["step"])

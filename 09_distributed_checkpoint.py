@@ -420,7 +420,7 @@ def main():
     test = None
     with common.Progress(run, args, steps_per_epoch=len(train_loader)) as progress:
         for epoch in range(start_epoch, args.epochs):
-            common.seed_everything(args.seed, epoch, run.rank)  # as in 03: exact resume
+            common.seed_everything(args.seed, epoch, run.rank)  # as in 02: exact resume
             train_sampler.set_epoch(epoch)
             train_sampler.skip = position["step"] * plan.per_rank  # what a checkpoint covers
             progress.start_epoch(epoch, steps_done=position["step"])

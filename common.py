@@ -711,7 +711,7 @@ def report_topology(run) -> int:
     return len({node for node, *_ in everyone})
 
 
-# ---------------------------------------------------------------- 07's restart mechanics (07a-07), for 08, 09
+# ---------------------------------------------------------------- 07a-07's mechanics, for 08a-09
 EXIT_STOPPED = 75  # "temporary failure, try again" (sysexits.h): stopped early, resumable
 # SLURM's SIGTERM (USR1/USR2 with --signal) and what else torchrun forwards to its workers.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)

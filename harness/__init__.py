@@ -9,7 +9,7 @@ Importing it replaces common.py's plain functions by checked ones, which train t
 - common.load_datasets: MNIST's .gz files, a checked download (data.py);
 - common.Progress, common.Metrics: live progress, the NaN check, FLOPs and MFU, TensorBoard,
   the --out-dir lock (metrics.py, flops.py, profiling.py);
-- common.save/restore_checkpoint: checked (checkpoint.py); common.LRSchedule (schedule.py).
+- common.save/restore_checkpoint, save_torch: checked (checkpoint.py); LRSchedule (schedule.py).
 
 It never replaces a function a step defines: the code a learner reads is the code that runs.
 Modules named stepNN_* check around step NN (around.py), before its main() and after it.
@@ -30,6 +30,7 @@ torch.distributed.init_process_group = launcher.init_process_group  # around eve
 common.load_datasets = data.load_datasets
 common.Progress, common.Metrics = metrics.Progress, metrics.Metrics
 common.save_checkpoint, common.restore_checkpoint = checkpoint.save, checkpoint.restore
+common.save_torch = checkpoint.checked_save_torch(common.save_torch)
 common.LRSchedule = schedule.LRSchedule
 versions.warn_of_unsupported_torch()
 from . import step06_digits_h5  # noqa: E402 -- 06's file: checked writing and opening

@@ -49,6 +49,20 @@ def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
                         f"previous checkpoint is unchanged") from None
 
 
+def checked_save_torch(save_torch):
+    """common.save_torch, checked: a state whose "model" holds NaN or infinite weights (the file
+    08b and 08 gather to rank 0) is refused, as save() refuses it: a run that diverged between
+    two loss checks never replaces a good checkpoint."""
+    def save(path: Path, state) -> None:
+        model = state.get("model") if isinstance(state, dict) else None
+        if isinstance(model, dict) and not all(torch.isfinite(t).all() for t in model.values()
+                                               if torch.is_tensor(t) and t.is_floating_point()):
+            raise UserError(f"the weights became NaN or infinite; not saving them over {path}. "
+                            f"Try a lower --lr")
+        save_torch(path, state)
+    return save
+
+
 def write_atomically(path: Path, write) -> None:
     """`write(f)` fills a temporary file beside `path` (a binary file of this process), which
     is then fsynced and renamed over `path`: `path` is whole or as it was, never cut short.

@@ -153,11 +153,13 @@ def restore(path: Path, run, model, optimizer, scheduler) -> dict:
     checkpoint = load(path)
     step = (checkpoint.get("position") or {}).get("step", 0)
     if step and not CONTINUES_MID_EPOCH:
+        run = checkpoint.get("run")  # which step wrote it (07a on): the one that continues it
+        wrote = run.get("step") if isinstance(run, dict) else None
         raise UserError(f"checkpoint {path} was written at step {step} of epoch "
                         f"{checkpoint['epoch'] + 1}, in the middle of it: this step continues "
                         f"only from the end of an epoch, and would train those {step} steps "
-                        f"again. Resume it with 07a_exact_resume.py or a later step, or use a "
-                        f"checkpoint written at the end of an epoch")
+                        f"again. Resume it with {wrote or 'the step that wrote it (07a or later)'}"
+                        f", or use a checkpoint written at the end of an epoch")
     try:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])  # moves state to the params' device

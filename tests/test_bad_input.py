@@ -300,6 +300,18 @@ def test_an_unwritable_out_dir_is_refused_when_parsed(tmp_path, monkeypatch, cap
     assert exit_.value.code == 2 and "cannot create" in capsys.readouterr().err
 
 
+def test_nan_weights_never_replace_a_good_checkpoint_in_08b_and_08s_gathered_save(tmp_path):
+    """08b and 08 save the state gathered to rank 0 with common.save_torch: in the repository it
+    refuses NaN or infinite weights in one line, and the previous file stays (the loss is
+    checked only every few steps; a preemption save need not fall on a checked step)."""
+    good = tmp_path / "checkpoint.pt"
+    common.save_torch(good, {"model": {"w": torch.ones(2)}, "epoch": 1})
+    with pytest.raises(common.UserError, match="the weights became NaN or infinite; not saving"):
+        common.save_torch(good, {"model": {"w": torch.tensor([1.0, float("inf")])}, "epoch": 2})
+    assert torch.load(good, weights_only=True)["epoch"] == 1
+    common.save_torch(tmp_path / "rng-rank0.pt", {"cpu": torch.get_rng_state()})  # no "model"
+
+
 # ---------------------------------------------------------------- a loss that diverges
 def test_a_nan_loss_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(mnist_root,
                                                                              tmp_path):
@@ -454,12 +466,12 @@ def test_a_random_state_of_the_wrong_size_is_one_line_in_07(good_checkpoint, tmp
 
 def test_00_to_06_refuse_a_mid_epoch_checkpoint(good_checkpoint, tmp_path):
     """Issue 39, 12: they continue at an epoch's start and would train its first steps again."""
-    path = edited(good_checkpoint, tmp_path, **mid_epoch())
+    path = edited(good_checkpoint, tmp_path, **mid_epoch(run={"step": "08b_fsdp2_shard.py"}))
     proc = run_step("00_single_gpu.py", [*TINY, "--epochs", 2, "--resume", path,
                                          "--out-dir", tmp_path], check=False)
     assert proc.returncode == 2
     expect_one_error_line(proc, f"checkpoint {path} was written at step 1 of epoch 2, in the "
-                                f"middle of it", "Resume it with 07a_exact_resume.py")
+                                f"middle of it", "Resume it with 08b_fsdp2_shard.py")
     assert not (tmp_path / "summary.json").exists()
 
 
