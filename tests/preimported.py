@@ -183,6 +183,14 @@ def serve(server: socket.socket, registry: str) -> tuple[dict, list[int]]:
             continue
         pid = os.fork()
         if pid == 0:  # the run: it keeps no connection of ours
+            # It starts once its entry is in the registry: on a busy machine it ran first, and a
+            # test that read its pid from a file it wrote found no one who asked for it (seen:
+            # conftest.children missed a forked rank, both cores kept busy by other loops).
+            mine = os.path.join(registry, str(os.getpid()))
+            for _ in range(20_000):  # (its helper writes it right after the fork; 20 s at most)
+                if os.path.exists(mine):
+                    break
+                select.select([], [], [], 0.001)
             request["ignored"] = ignored_by(asker(connection))
             for other in [server, connection, *running.values(), *ended.values()]:
                 other.close()
