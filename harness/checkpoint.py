@@ -35,13 +35,11 @@ def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
     OSError.) A temporary file left by a process killed mid-save (SIGKILL runs no cleanup) is
     removed by the next save on that machine.
     """
-    # (Step 08 passes the state dicts themselves: it gathers them from every rank's shards.)
+    # (A model and optimizer, or state dicts already made of them.)
     state = {"model": model if isinstance(model, dict) else model.state_dict(),
              "optimizer": optimizer if isinstance(optimizer, dict) else optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "epoch": epoch, **extra}
-    if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
-        raise UserError(f"the weights became NaN or infinite; not saving them over {path}. "
-                        f"Try a lower --lr")
+    refuse_non_finite(state, path)
     try:
         write_atomically(path, lambda f: torch.save(state, f))
     except (OSError, RuntimeError) as err:
@@ -49,16 +47,21 @@ def save(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:
                         f"previous checkpoint is unchanged") from None
 
 
+def refuse_non_finite(state, path: Path) -> None:
+    """A state whose "model" holds NaN or infinite weights is not written over `path`: a run
+    that diverged between two loss checks never replaces a good checkpoint."""
+    model = state.get("model") if isinstance(state, dict) else None
+    if isinstance(model, dict) and not all(torch.isfinite(t).all() for t in model.values()
+                                           if torch.is_tensor(t) and t.is_floating_point()):
+        raise UserError(f"the weights became NaN or infinite; not saving them over {path}. "
+                        f"Try a lower --lr")
+
+
 def checked_save_torch(save_torch):
-    """common.save_torch, checked: a state whose "model" holds NaN or infinite weights (the file
-    08b and 08 gather to rank 0) is refused, as save() refuses it: a run that diverged between
-    two loss checks never replaces a good checkpoint."""
+    """common.save_torch, checked as save() is (refuse_non_finite): 08b and 08 write the state
+    they gather to rank 0 with it."""
     def save(path: Path, state) -> None:
-        model = state.get("model") if isinstance(state, dict) else None
-        if isinstance(model, dict) and not all(torch.isfinite(t).all() for t in model.values()
-                                               if torch.is_tensor(t) and t.is_floating_point()):
-            raise UserError(f"the weights became NaN or infinite; not saving them over {path}. "
-                            f"Try a lower --lr")
+        refuse_non_finite(state, path)
         save_torch(path, state)
     return save
 

@@ -39,6 +39,18 @@ def uninterrupted(uninterrupted_07):
     return uninterrupted_07
 
 
+def ends_as_uninterrupted(uninterrupted, out, stdout: str) -> dict:
+    """A run resumed at step 4 of epoch 2 ends with the uninterrupted run's weights on every rank
+    and its test answers; it ran epoch 2 only, from step 4 on, and the loss it reports for it is
+    the whole epoch's, over every rank's samples, as the uninterrupted run reported it."""
+    assert "resumed at step 4 of epoch 2" in stdout
+    assert max_difference(rank_params(uninterrupted / "probe"), rank_params(out / "probe")) == 0.0
+    straight, resumed = read_summary(uninterrupted), read_summary(out)
+    assert resumed["test_correct"] == straight["test_correct"]
+    assert resumed["train_losses"] == pytest.approx(straight["train_losses"][1:], rel=1e-12)
+    return resumed
+
+
 @PORT_TAKEN_RERUNS
 def test_07a_killed_mid_epoch_resumes_exactly_from_its_checkpoint(uninterrupted, args, tmp_path):
     """07a has no restarts: rank 1 dies after step 27 (step 7 of epoch 2), the run fails, and the
@@ -51,12 +63,7 @@ def test_07a_killed_mid_epoch_resumes_exactly_from_its_checkpoint(uninterrupted,
     proc = run_step("07a_exact_resume.py", [*args, "--out-dir", tmp_path, "--resume",
                                             tmp_path / "checkpoint.pt"], nproc=2,
                     probe_dir=tmp_path / "probe")
-    assert "resumed at step 4 of epoch 2" in proc.stdout
-    assert max_difference(rank_params(uninterrupted / "probe"),
-                          rank_params(tmp_path / "probe")) == 0.0
-    straight, resumed = read_summary(uninterrupted), read_summary(tmp_path)
-    assert resumed["test_correct"] == straight["test_correct"]
-    assert resumed["train_losses"] == pytest.approx(straight["train_losses"][1:], rel=1e-12)
+    ends_as_uninterrupted(uninterrupted, tmp_path, proc.stdout)
 
 
 @pytest.mark.quick
@@ -69,14 +76,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(
     proc = run_step("07b_restarts.py", [*args, "--out-dir", tmp_path], nproc=2,
                     probe_dir=tmp_path / "probe", env_extra={"PROBE_KILL": "1:27", **FRESH_STORE},
                     torchrun_extra=("--max-restarts", "1"))
-    assert "resumed at step 4 of epoch 2" in proc.stdout
-    assert max_difference(rank_params(uninterrupted / "probe"),
-                          rank_params(tmp_path / "probe")) == 0.0
-    straight, resumed = read_summary(uninterrupted), read_summary(tmp_path)
-    assert resumed["test_correct"] == straight["test_correct"]
-    # The restarted group ran epoch 2 only, from step 4 on; the loss it reports for epoch 2 is
-    # the whole epoch's, over every rank's samples, as the uninterrupted run reported it.
-    assert resumed["train_losses"] == pytest.approx(straight["train_losses"][1:], rel=1e-12)
+    resumed = ends_as_uninterrupted(uninterrupted, tmp_path, proc.stdout)
     assert resumed["samples_per_sec"] > 0  # timed over the 16 steps it did
 
 
