@@ -25,8 +25,8 @@ from . import around, startup
 from .peers import (STORE_PREFIX, PeerFailure, failed_peers, launcher_rank,  # noqa: F401
                     launcher_world_size, leave_message, remember_store, report, this_launch)
 from .watchdog import (GRACE_S, STOP_SIGNALS, Interrupted, exit_at_once, interrupt,  # noqa: F401
-                       say_interrupted, say_peer_failure, signals_end_the_process,
-                       stop_signals_end_now, stopped_by, watch_signals)
+                       say_interrupted, say_peer_failure, signals_end_silently,
+                       signals_end_the_process, stop_signals_end_now, stopped_by, watch_signals)
 
 from common import UserError  # noqa: E402 -- one class: the plain run_main and this one catch it
 
@@ -48,7 +48,8 @@ def run_main(main) -> None:
     holds has been seen to abort the process when destroyed).
     """
     watch_signals()
-    if signal.getsignal(signal.SIGTERM) is startup.stopped_while_starting:  # a step's script:
+    a_script = signal.getsignal(signal.SIGTERM) is startup.stopped_while_starting
+    if a_script:  # a step's script (not a test that runs its main()):
         stop_signals_end_now()  # a stop signal is one line from here on too (07-09: a checkpoint)
     code, torn_down_cleanly = 0, True
     try:
@@ -81,6 +82,8 @@ def run_main(main) -> None:
         except (KeyboardInterrupt, Interrupted) as err:  # a signal during the teardown:
             signals_end_the_process()  # main() is done, but the run ends as the signal says
             exit_at_once(exit_code(err))
+    if a_script:
+        signals_end_silently()  # all is said: Python's exit is no place for a signal's line
     if code:
         sys.exit(code)
 
