@@ -31,7 +31,7 @@ import common
 
 
 def use_srun_identity():
-    """`srun python 05_multinode.py` (one task per GPU, no torchrun): who is who, from SLURM's
+    """Started by `srun python` (one task per GPU, no torchrun): who is who, from SLURM's
     variables. The group meets at the step's first node, at a port derived from the job id."""
     env = os.environ
     if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", 1)) < 2:

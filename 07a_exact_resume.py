@@ -34,7 +34,7 @@ EPOCH_START = {"step": 0, "loss_sum": 0.0, "samples": 0}  # steps done, and thei
 
 
 def use_srun_identity():
-    """`srun python 05_multinode.py` (one task per GPU, no torchrun): who is who, from SLURM's
+    """Started by `srun python` (one task per GPU, no torchrun): who is who, from SLURM's
     variables. The group meets at the step's first node, at a port derived from the job id."""
     env = os.environ
     if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", 1)) < 2:
