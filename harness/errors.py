@@ -83,7 +83,7 @@ def run_main(main) -> None:
             signals_end_the_process()  # main() is done, but the run ends as the signal says
             exit_at_once(exit_code(err))
     if a_script:
-        signals_end_silently()  # all is said: Python's exit is no place for a signal's line
+        signals_end_silently(code)  # too late to stop anything: the run's own exit status
     if code:
         sys.exit(code)
 

@@ -212,20 +212,15 @@ def signals_end_the_process() -> None:
         signal.signal(signum, _for_the_watchdog)
 
 
-def signals_end_silently() -> None:
+def signals_end_silently(code: int) -> None:
     """After main() and the group's teardown (a step run as a script): Ctrl-C and the stop
-    signals end the process at once, without a word. Python's exit still runs its atexit
-    callbacks (torch's weakref.finalize among them), and a handler that raised there printed
-    "Exception ignored in atexit callback" and a traceback: CI saw it once, when torchrun's
-    SIGTERM (sent to every rank because a peer failed) reached a rank that had finished. That
-    rank had said all it had to say. Their default action ends a process even while it frees
-    torch's objects in C; SIGQUIT's would also dump a core, so it exits instead."""
+    signals end the process without a word (at the next bytecode), with the run's own exit status:
+    they came too late to stop anything. Python's exit still runs its atexit callbacks (torch's
+    weakref.finalize among them), and a handler that raised there printed "Exception ignored in
+    atexit callback" and a traceback: CI saw it once, when torchrun's SIGTERM (sent to every
+    rank because a peer failed) reached a rank that had finished."""
     for signum in (signal.SIGINT, *STOP_SIGNALS):
-        signal.signal(signum, _exit_silently if signum == signal.SIGQUIT else signal.SIG_DFL)
-
-
-def _exit_silently(signum, frame) -> None:
-    os._exit(128 + signum)
+        signal.signal(signum, lambda signum, frame: exit_at_once(code))
 
 
 def _for_the_watchdog(signum, frame) -> None:

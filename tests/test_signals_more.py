@@ -142,8 +142,9 @@ errors.run_main(main)
 
 def test_a_sigterm_during_pythons_exit_after_main_ends_it_silently():
     done = launch([sys.executable, "-c", SIGTERM_IN_PYTHONS_EXIT], check=False, timeout=GUARD_S)
-    assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]  # as its default action does
+    assert done.returncode == 0, done.stderr[-3000:]  # main() succeeded: too late to stop it
     assert done.stdout == done.stderr == "", done.stderr[-3000:]
+
 
 def test_sigterm_to_11_under_torchrun_is_said_by_the_step(tmp_path):
     """A preemption: SIGTERM to torchrun, which forwards it to every rank. The ranks ended by
