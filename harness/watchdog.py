@@ -215,10 +215,10 @@ def signals_end_the_process() -> None:
 def signals_end_silently(code: int) -> None:
     """After main() and the group's teardown (a step run as a script): Ctrl-C and the stop
     signals end the process without a word (at its next bytecode), with the run's own exit
-    status: they came too late to stop anything. Python's exit still runs its atexit callbacks (torch's
-    weakref.finalize among them), and a handler that raised there printed "Exception ignored in
-    atexit callback" and a traceback: CI saw it once, when torchrun's SIGTERM (sent to every
-    rank because a peer failed) reached a rank that had finished."""
+    status: they came too late to stop anything. Python's exit still runs its atexit callbacks
+    (torch's weakref.finalize among them), and a handler that raised there printed "Exception
+    ignored in atexit callback" and a traceback: CI saw it once, when torchrun's SIGTERM (sent
+    to every rank because a peer failed) reached a rank that had finished."""
     for signum in (signal.SIGINT, *STOP_SIGNALS):
         signal.signal(signum, lambda signum, frame: exit_at_once(code))
 
