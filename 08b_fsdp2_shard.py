@@ -31,8 +31,8 @@ from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest,  #
                     ignore_stop_signals, restarted, rng_state, set_rng_state)
 
 if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed the gradients
-    print(f"error: 08b_fsdp2_shard.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 summed "
-          f"gradients, not averaged); this is torch {torch.__version__}", file=sys.stderr)
+    print(f"error: 08b_fsdp2_shard.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 "
+          f"summed gradients, not averaged); this is torch {torch.__version__}", file=sys.stderr)
     sys.exit(2)
 
 

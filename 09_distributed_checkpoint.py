@@ -31,8 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -43,12 +41,11 @@ from torch.utils.data import Subset
 
 import common
 from common import (EPOCH_START, EXIT_STOPPED, ResumableSampler, StopRequest,  # 07's
-                    ignore_stop_signals, restarted, rng_state, run_settings, set_rng_state)
+                    ignore_stop_signals, restarted, rng_state, set_rng_state)
 
 if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed the gradients
     print(f"error: 09_distributed_checkpoint.py needs torch >= 2.9 (FSDP2 on gloo before 2.9 "
-          f"summed gradients instead of averaging them); this is torch {torch.__version__}",
-          file=sys.stderr)
+          f"summed gradients, not averaged); this is torch {torch.__version__}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -146,7 +143,7 @@ class Commits:
         (future, folder, started, returned), self.pending = self.pending, None
         try:
             future.result()
-        except CheckpointException as err:  # every rank gets every rank's failures
+        except dcp.CheckpointException as err:  # every rank gets every rank's failures
             cause = next(iter(err.failures.values()))[0]  # (the error, its traceback)
             self.agree(folder, why(cause, folder)
                        if isinstance(cause, (OSError, RuntimeError)) else None)
@@ -212,7 +209,7 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-class SafePlanner(DefaultLoadPlanner):
+class SafePlanner(dcp.DefaultLoadPlanner):
     """DCP's planner; a saved value that is not a tensor (the epoch, the schedule) loads only if
     it is plain data (torch 2.14.1 loads it with weights_only=False, which can run code)."""
 
@@ -278,7 +275,8 @@ def export(path, out, args) -> None:
 
 def train_one_epoch(model, loader, optimizer, scheduler, run, plan, progress, position, rng,
                     after_step):
-    """As in 08b: returns the epoch's mean training loss, or None when after_step says stop."""
+    """One pass over the training set, or the rest of it after a mid-epoch checkpoint (its
+    `position` and `rng`); returns the mean training loss, or None when after_step says stop."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # on the device: no sync
     samples, step = 0, position["step"]
@@ -323,9 +321,10 @@ def evaluate(model, loader, run):
 
 
 def shard(model, run, args):
-    """FSDP2, as in 08b, with 08's --mixed-precision (its --hsdp and resharding stay in 08)."""
+    """FSDP2: each parameter becomes a DTensor split over the ranks along its first dimension
+    (`p.to_local()`: this rank's rows). One group per call, gathered and scattered together."""
     mesh = init_device_mesh(run.device.type, (run.world_size,))
-    # On GPUs: compute in bf16 (half the bytes to gather), average gradients in fp32.
+    # 08's --mixed-precision: on GPUs, compute in bf16 (half the bytes to gather), reduce in fp32.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   output_dtype=torch.float32) if args.mixed_precision else None
     for layer in (model.conv1, model.conv2, model.fc1, model.fc2, model):
@@ -372,9 +371,10 @@ def main():
                              full_state_dict=True, broadcast_from_rank0=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, args, plan, len(train_loader))
-    latest, settings = args.out_dir / "checkpoint", run_settings(__file__, args, plan, train_set)
-    # Any rank restarted: all resume (as in 07). --resume is for the first attempt: a restart
-    # continues from what this run saved since, if it did.
+    latest = args.out_dir / "checkpoint"
+    settings = common.run_settings(__file__, args, plan, train_set)  # saved: see resume()
+    # Restarted: continue from what this run saved since its start, if it did (--resume is
+    # for the first attempt).
     if restarted(run):
         args.resume = own_checkpoint(latest, settings, run) or args.resume
     start_epoch, position, rng = 0, EPOCH_START, None
