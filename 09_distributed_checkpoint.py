@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
@@ -61,8 +60,9 @@ def saved_settings(folder):
 
 
 def own_checkpoint(latest, settings, run):
-    """What a restarted group continues from: the folder `latest` links to, if this run's
-    settings wrote it (as in 07: another run's results are not this run's)."""
+    """What a restarted group continues from: the checkpoint this run saved, if any. Another
+    run's in the same --out-dir (a finished one, say) is left alone: continuing it would report
+    that run's results under this run's flags (common.adopted says so in a line)."""
     if not latest.exists():  # (a link to nothing does not exist)
         return None
     return common.adopted(latest, saved_settings(latest), settings, run)
@@ -204,7 +204,7 @@ class SafeReader(dcp.FileSystemReader):
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = MetadataUnpickler(f).load()
         if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+            metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
