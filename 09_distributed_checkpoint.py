@@ -50,8 +50,9 @@ if torch.__version__ < (2, 9):  # a behaviour, not an API: FSDP2 on gloo summed 
 
 def saved_settings(folder):
     """The settings of the run that wrote `folder` (its run.json: plain JSON, no code), if any."""
-    try:
-        return json.loads((folder / "run.json").read_text())
+    try:  # (non-blocking: a FIFO planted there is no wait; at most 1 MiB: nor is a device)
+        with open(os.open(folder / "run.json", os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+            return json.loads(file.read(1 << 20) or b"")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as err:  # (RecursionError: lists nested deep)
@@ -69,19 +70,15 @@ def own_checkpoint(latest, settings, run):
 
 
 def why(err, folder=None) -> str:
-    """A failure in words: an OSError's own (a disk can run out of inodes with bytes to spare),
-    or the first line of torch's."""
+    """An OSError's own words (a disk can run out of inodes with bytes to spare), or torch's."""
     if getattr(err, "errno", None) == errno.ENOSPC and os.statvfs(folder.parent).f_favail == 0:
         return f"{err.strerror} (no inodes left there, though bytes are: see df -i)"
     return getattr(err, "strerror", None) or (str(err).strip().splitlines() or [""])[0][:160]
 
 
-# The names of the folders 09 makes: the only ones it removes (not a checkpoint-best of yours).
-MADE_BY_09 = re.compile(r"checkpoint-(epoch\d+-(step\d+|end)|copied-\d+)")
-
-
-def made_by_09(path) -> bool:
-    return MADE_BY_09.fullmatch(path.name) and path.is_dir() and not path.is_symlink()
+def made_by_09(path) -> bool:  # the only folders 09 removes (not a checkpoint-best of yours)
+    return (re.fullmatch(r"checkpoint-(epoch\d+-(step\d+|end)|copied-\d+)", path.name)
+            and path.is_dir() and not path.is_symlink())
 
 
 class Commits:
@@ -103,8 +100,7 @@ class Commits:
         try:  # never through a link planted at the name: its target is not ours to fill
             if os.path.lexists(folder) and not made_by_09(folder):
                 kind = "a symbolic link" if folder.is_symlink() else "not a folder"
-                raise OSError(errno.EEXIST,
-                              f"it is {kind}, and 09 writes only into folders it makes")
+                raise OSError(f"it is {kind}, and 09 writes only into folders it makes")
             folder.mkdir(exist_ok=True)
             common.save_torch(folder / f"rng-rank{self.run.rank}.pt", rng)  # its own
             if self.run.is_main:  # which run wrote it (own_checkpoint reads it)
@@ -172,12 +168,13 @@ class Commits:
 
     def switch_link(self, folder) -> None:
         """The commit: one atomic rename of a new link over the old. (A run folder copied with
-        `scp -r` holds a real folder named checkpoint: moved aside first, removed as old.)"""
-        link, temporary = self.out_dir / "checkpoint", self.out_dir / ".checkpoint.link"
-        temporary.unlink(missing_ok=True)
-        temporary.symlink_to(folder.name)
-        if link.is_dir() and not link.is_symlink():
+        `scp -r` holds a real checkpoint named checkpoint: moved aside first, removed as old.)"""
+        link, temporary = self.out_dir / "checkpoint", self.out_dir / f".link.{time.time_ns()}"
+        if os.path.lexists(link) and not link.is_symlink():  # replaced: only a link, or a copy
+            if not (link / ".metadata").is_file():
+                raise OSError(f"{link} is neither 09's link nor a checkpoint")
             link.rename(self.out_dir / f"checkpoint-copied-{time.time_ns()}")
+        temporary.symlink_to(folder.name)  # (a new name: no one's file is replaced)
         os.replace(temporary, link)  # the commit
 
 
@@ -206,6 +203,9 @@ class SafeReader(dcp.FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        files = {p.name for p in self.path.iterdir() if not p.is_symlink()}  # (a link: out)
+        if not {info.relative_path for info in metadata.storage_data.values()} <= files:
+            raise pickle.UnpicklingError(f"{self.path}/.metadata names a file not in its folder")
         return metadata
 
 

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import random
-import resource
 import signal
 import socket
 import subprocess
@@ -540,6 +539,8 @@ class Progress:
         self.run, self.args, self.steps_per_epoch = run, args, steps_per_epoch
         self.samples, self.seconds, self.profiler = 0, 0.0, nullcontext()
         self.first_step_seconds = None  # the run's first step: one-off costs (compile, cuDNN)
+        if args.profile and (args.out_dir / "profile").is_symlink():  # its target is not ours
+            raise UserError(f"{args.out_dir / 'profile'} is a symbolic link: not writing into it")
         if args.profile:
             self.profiler = torch.profiler.profile(
                 schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
@@ -562,8 +563,7 @@ class Progress:
         self.step_index += 1
         if not self.timing:  # the clock starts after the epoch's first step
             now = self._now()
-            if self.first_step_seconds is None:
-                self.first_step_seconds = now - self.started
+            self.first_step_seconds = self.first_step_seconds or now - self.started  # the run's
             self.started, self.timing = now, True
         else:
             self.epoch_samples += samples

@@ -41,6 +41,8 @@ def profiler(args, run):
     # One cycle (repeat=1) leaves nothing to accumulate, yet torch 2.11 was seen to warn
     # that "Profiler clears events at the end of each cycle" on a GPU.
     warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
+    if (args.out_dir / "profile").is_symlink():  # as common.Progress: its target is not ours
+        raise UserError(f"{args.out_dir / 'profile'} is a symbolic link: not writing into it")
     return StepProfiler(run, args.out_dir / "profile", activities=activities,
                         schedule=schedule(wait=1, warmup=1, active=3, repeat=1))
 

@@ -7,6 +7,7 @@ the user's beside its checkpoints survives its commits."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -50,6 +51,7 @@ def copied(tmp_path_factory):
               "03b_sharded_optimizer.py", LAST], folder)
     (root / "09" / "checkpoint-epoch-best").mkdir(parents=True)
     (root / "09" / "checkpoint-epoch-best" / "mine.txt").write_text("the user's")
+    (root / "09" / ".checkpoint.link").write_text("the user's")  # (09's fixed name until 12-29)
     runs = {"folder": folder}
     for name, script, where, extra in [
             ("00", "00_single_gpu.py", folder, []), ("00 repo", "00_single_gpu.py", REPO, []),
@@ -138,8 +140,25 @@ needs_09 = pytest.mark.skipif(not FSDP_ON_GLOO, reason="09 needs torch 2.9 on gl
 def test_a_copied_09_keeps_a_folder_it_did_not_make(copied):
     out = copied["09"][1]
     assert (out / "checkpoint-epoch-best" / "mine.txt").read_text() == "the user's"
+    assert (out / ".checkpoint.link").read_text() == "the user's"
     assert sorted(p.name for p in out.glob("checkpoint*")) == [
         "checkpoint", "checkpoint-epoch-best", "checkpoint-epoch1-end"]
+    assert not list(out.glob(".link.*"))  # 09's temporary links, each renamed into place
+
+
+@needs_09
+def test_a_copied_09_replaces_no_folder_of_yours_named_checkpoint(copied, tmp_path):
+    """Only 09's own link, or a real checkpoint (a run folder copied with `scp -r`), is
+    replaced at a commit: a folder of the user's at that name stops the run in one line."""
+    out = tmp_path / "out"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "notes.txt").write_text("the user's")
+    proc = launch([sys.executable, LAST, *SMALL, "--checkpoint-every", 0, "--out-dir", out],
+                  cwd=copied["folder"], check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"{out / 'checkpoint'} is neither 09's link nor a checkpoint" in proc.stderr
+    assert (out / "checkpoint" / "notes.txt").read_text() == "the user's"
+    assert (out / "checkpoint-epoch1-end" / ".metadata").is_file()  # complete, kept
 
 
 @needs_09
@@ -161,15 +180,46 @@ def test_a_copied_09_refuses_metadata_that_would_run_code(copied, tmp_path):
 
 
 @needs_09
-def test_a_copied_09_writes_nothing_through_a_planted_link(copied, tmp_path):
-    outside, out = tmp_path / "outside", tmp_path / "out"
+def test_a_copied_09_reads_no_file_outside_its_checkpoint_and_waits_on_no_fifo(copied, tmp_path):
+    """A .metadata naming shards elsewhere (here: the real ones, by absolute path) is refused
+    before any is read; a FIFO planted as run.json is a damaged file, not a wait forever."""
+    real = (copied["09"][1] / "checkpoint").resolve()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    metadata = pickle.loads((real / ".metadata").read_bytes())  # (the test's own: trusted)
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=str(
+        real / info.relative_path)) for index, info in metadata.storage_data.items()}
+    (elsewhere / ".metadata").write_bytes(pickle.dumps(metadata))
+    export = launch([sys.executable, LAST, "export", "--resume", elsewhere, "--out-dir",
+                     tmp_path / "export"], cwd=copied["folder"], check=False, timeout=120)
+    assert export.returncode != 0, export.stdout[-2000:]
+    assert f"{elsewhere}/.metadata names a file not in its folder" in export.stderr
+    assert not (tmp_path / "export" / "checkpoint.pt").exists()
+
+    fifo = tmp_path / "fifo"
+    shutil.copytree(real, fifo)
+    (fifo / "run.json").unlink()
+    os.mkfifo(fifo / "run.json")
+    proc = launch([sys.executable, LAST, *SMALL, "--epochs", 2, "--resume", fifo,
+                   "--out-dir", tmp_path / "second"], cwd=copied["folder"], check=False,
+                  timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"error: {fifo / 'run.json'} is damaged or unreadable" in proc.stderr
+
+
+def test_profile_writes_into_no_planted_link(tmp_path):
+    """--profile's traces go to <out-dir>/profile: a link planted there is refused in one line,
+    in the repository (the harness's profiler) as in a copy (common.Progress's)."""
+    folder, outside = tmp_path / "copied", tmp_path / "outside"
+    copy_out(["00_single_gpu.py"], folder)
     outside.mkdir()
-    out.mkdir()
-    (out / "checkpoint-epoch1-step2").symlink_to(outside, target_is_directory=True)
-    proc = launch(torchrun_cmd(2, LAST, *SMALL, "--checkpoint-every", 2, "--out-dir", out),
-                  cwd=copied["folder"], check=False)
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "it is a symbolic link, and 09 writes only into folders it makes" in proc.stderr, \
-        proc.stderr[-3000:]
-    assert list(outside.iterdir()) == []  # no .metadata, shard or random state went there
-    assert (out / "checkpoint-epoch1-step2").is_symlink()
+    for where in (REPO, folder):
+        out = tmp_path / f"out-{where.name}"
+        out.mkdir()
+        (out / "profile").symlink_to(outside, target_is_directory=True)
+        proc = launch([sys.executable, "00_single_gpu.py", *SMALL, "--profile", "--out-dir", out],
+                      cwd=where, check=False)
+        assert proc.returncode == 2 and proc.stderr == (
+            f"error: {out / 'profile'} is a symbolic link: not writing into it\n"), proc.stderr
+    assert list(outside.iterdir()) == []
+
