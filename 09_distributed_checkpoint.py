@@ -104,8 +104,8 @@ class Commits:
             folder.mkdir(exist_ok=True)
             common.save_torch(folder / f"rng-rank{self.run.rank}.pt", rng)  # its own
             if self.run.is_main:  # which run wrote it (own_checkpoint reads it)
-                common.save_atomically(folder / "run.json", lambda temporary:
-                                       temporary.write_text(json.dumps(self.settings)))
+                common.save_atomically(folder / "run.json", lambda file:
+                                       file.write(json.dumps(self.settings).encode()))
         except OSError as err:  # a full disk, a read-only filesystem, ...
             failed = why(err, folder)
         self.agree(folder, failed)

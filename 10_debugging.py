@@ -187,9 +187,9 @@ def save_flight_record(rank: int, folder: Path) -> str:
     record["entries"] = [e for e in record.get("entries", []) if e["process_group"][0] == "0"]
     record["pg_config"] = {"0": {**record.get("pg_config", {}).get("", {}), "desc": "default_pg"}}
     try:  # whole or not at all (fr_trace cannot read half a file); a full disk is a line
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=not folder.is_symlink())  # (a link: not ours)
         common.save_atomically(folder / f"rank{rank}",
-                               lambda path: path.write_bytes(pickle.dumps(record)))
+                               lambda file: file.write(pickle.dumps(record)))
     except OSError as err:
         return f"not written ({err.strerror or err})"
     return str(folder / f"rank{rank}")

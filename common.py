@@ -432,7 +432,7 @@ def write_h5(path: Path, train_set: Digits, test_set: Digits, chunk: int, compre
                                  chunks=(min(chunk, len(data)), *data.shape[1:]), fletcher32=True)
             f[name].attrs.update(count=len(digits), shape=(28, 28))
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_atomically(path, lambda temporary: temporary.write_bytes(image.getbuffer()))
+    save_atomically(path, lambda file: file.write(image.getbuffer()))
 
 
 def open_h5(args) -> tuple[int, int, Digits]:
@@ -641,17 +641,20 @@ class Metrics:
                    **extra}
         if self.run.is_main:
             save_atomically(self.out_dir / "summary.json",
-                            lambda path: path.write_text(json.dumps(summary, indent=2)))
+                            lambda file: file.write(json.dumps(summary, indent=2).encode()))
         return summary
 
 
 def save_atomically(path: Path, write) -> None:
-    """write(temporary path), then rename it over `path`: a crash mid-write keeps the old file.
-    The temporary is made new under a random name (mkstemp): no planted link sends it elsewhere."""
+    """write(file) into a new temporary file, then rename it over `path`: a crash mid-write keeps
+    the old file. mkstemp makes it under a random name, and it is written through the descriptor
+    mkstemp opened, never reopened by name: no link planted or swapped in sends it elsewhere."""
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
     try:
-        write(Path(temporary))
+        with open(handle, "wb") as file:
+            write(file)
+            if not os.path.samestat(os.fstat(file.fileno()), os.lstat(temporary)):
+                raise OSError(f"{temporary} was replaced by another file while it was written")
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -661,10 +664,7 @@ def save_atomically(path: Path, write) -> None:
 def save_torch(path: Path, state) -> None:
     """torch.save, atomically, through a Python file: a full disk then says "No space left on
     device" (to a path torch.save writes in C++: "unexpected pos ...", torch 2.14.1)."""
-    def write(temporary):
-        with open(temporary, "wb") as file:
-            torch.save(state, file)
-    save_atomically(path, write)
+    save_atomically(path, lambda file: torch.save(state, file))
 
 
 def save_checkpoint(path: Path, model, optimizer, scheduler, epoch: int, **extra) -> None:

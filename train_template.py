@@ -324,7 +324,7 @@ def main():
     restarted = any(int(os.environ.get(n, 0)) for n in (  # torchrun after a kill, a requeue
         "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))  # (SLURM): resume
     saved = torch.load(path, map_location="cpu", weights_only=True) if restarted and \
-        os.path.exists(path) else {}  # (weights_only: loading runs no code from the file)
+        os.path.isfile(path) else {}  # (weights_only: loading runs no code from the file)
     start, done, rng = 0, 0, None
     if saved and saved.get("settings") != settings:  # another run's, in this --out-dir
         log(f"not resuming from {path}: another run's (flags {saved.get('settings')})")

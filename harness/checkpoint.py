@@ -189,7 +189,7 @@ def check_room(folder: Path) -> None:
     """Write a small file in `folder` and remove it: a disk that is full already, a quota or a
     read-only filesystem is one line at the start (steps 10 and 11 write only at their end;
     00-09 find it opening TensorBoard's event file)."""
-    probe = folder / ".write-check"
+    probe = temporary_name(folder / ".write-check")  # a new name: no file of anyone's is replaced
     try:
         write_atomically(probe, lambda f: f.write(bytes(4096)))
     except OSError as err:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import secrets
 import sys
 import threading
 import time
@@ -262,7 +263,9 @@ def open_tensorboard(out_dir: Path):
     if not getattr(threading.excepthook, "quiet_for_tensorboard", False):
         threading.excepthook = _quiet_for_tensorboard(threading.excepthook)
     with tensorboard_errors(out_dir):
-        return SummaryWriter(log_dir=str(out_dir))
+        # A random end to the event file's name, which is otherwise the time, the host and the
+        # pid: a link planted at it beforehand would receive the events (test_real_failures).
+        return SummaryWriter(log_dir=str(out_dir), filename_suffix=f".{secrets.token_hex(4)}")
 
 
 def _quiet_for_tensorboard(excepthook):

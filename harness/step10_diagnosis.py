@@ -16,6 +16,7 @@ Every private torch API step 10's harness uses is reached here, and each is look
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib.util
 import inspect
@@ -186,6 +187,8 @@ def write_fr_dumps(folder: Path, records: dict[int, dict]) -> str | None:
     (our `checked` group, and DETAIL's helper group), so those are left out.
     Returns why they could not be written (a full disk), or None: the diagnosis comes next."""
     try:
+        if folder.is_symlink():  # its target is not this run's to fill
+            raise OSError(errno.EEXIST, "a symbolic link: not writing through it")
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         return f"{folder}: {err.strerror}"

@@ -110,19 +110,39 @@ def test_save_atomically_writes_through_no_planted_link(tmp_path):
     run_dir.mkdir()
     outside.write_text("the user's file")
     (run_dir / f".checkpoint.pt.{os.getpid()}.tmp").symlink_to(outside)
-    common.save_atomically(run_dir / "checkpoint.pt", lambda path: path.write_text("saved"))
+    common.save_atomically(run_dir / "checkpoint.pt", lambda file: file.write(b"saved"))
     assert outside.read_text() == "the user's file"
     assert (run_dir / "checkpoint.pt").read_text() == "saved"
     assert not (run_dir / "checkpoint.pt").is_symlink()
 
-    def fails(path):
-        path.write_text("half")
+    def fails(file):
+        file.write(b"half")
         raise OSError(28, "No space left on device")
     with pytest.raises(OSError):
         common.save_atomically(run_dir / "summary.json", fails)
     assert sorted(p.name for p in run_dir.iterdir()) == [
         f".checkpoint.pt.{os.getpid()}.tmp", "checkpoint.pt"]
 
+
+
+def test_save_atomically_writes_only_through_its_own_descriptor(tmp_path):
+    """A link swapped in at the temporary file's name while it is written (a racing writer of
+    that folder: it won, with inotify, against 08b's checkpoints) receives nothing: the file is
+    written through the descriptor mkstemp opened, and a swapped name is refused, not renamed
+    into place as the checkpoint."""
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    run_dir.mkdir()
+    outside.write_text("the user's file")
+
+    def swapped_then_written(file):
+        [temporary] = run_dir.glob(".checkpoint.pt.*.tmp")
+        (run_dir / "link").symlink_to(outside)
+        os.replace(run_dir / "link", temporary)  # the race, won
+        file.write(b"saved")
+    with pytest.raises(OSError, match="was replaced by another file while it was written"):
+        common.save_atomically(run_dir / "checkpoint.pt", swapped_then_written)
+    assert outside.read_text() == "the user's file"
+    assert list(run_dir.iterdir()) == []
 
 # ---------------------------------------------------------------- a copied 09 is safe
 class Payload:

@@ -8,6 +8,7 @@ The runs that reach the other branches are in tests/test_debugging.py.
 from __future__ import annotations
 
 import pickle
+import runpy
 import sys
 
 import common
@@ -181,3 +182,16 @@ def test_around_replaces_common_s_functions_for_main_only(monkeypatch, tmp_path)
     assert args.out_dir == tmp_path / "out" and list(args.out_dir.iterdir()) == []  # (no probe)
     assert (common.parser, common.leave_at_once) == plain
     assert not hasattr(step10_debugging, "take_in")
+
+
+def test_no_flight_recorder_record_is_written_through_a_planted_link(tmp_path):
+    """<out-dir>/flight_recorder as a link planted there: neither the harness's records
+    (write_fr_dumps) nor step 10's own (save_flight_record) go into its target."""
+    outside, folder = tmp_path / "outside", tmp_path / "flight_recorder"
+    outside.mkdir()
+    folder.symlink_to(outside, target_is_directory=True)
+    assert debug.write_fr_dumps(folder, {0: {}}) == (
+        f"{folder}: a symbolic link: not writing through it")
+    step = runpy.run_path(str(REPO / "10_debugging.py"), run_name="step10")
+    assert step["save_flight_record"](0, folder) == "not written (File exists)"
+    assert list(outside.iterdir()) == []

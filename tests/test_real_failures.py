@@ -447,7 +447,8 @@ def test_a_lock_file_that_is_a_hard_link_or_a_fifo_is_refused_without_waiting(tm
 def test_a_link_planted_at_the_temporary_name_is_not_written_through(tmp_path):
     """The temporary file of a save was `.<name>.<host>.<pid>.tmp`, and the pid is the one that
     <out-dir>/.lock prints: a link planted under that name before the save made the checkpoint
-    (and summary.json) go wherever it pointed. Planted here before the step even starts."""
+    (and summary.json) go wherever it pointed. Planted here before the step even starts; and at
+    each name TensorBoard's event file could have had (time, host, pid), which it wrote through."""
     target = victim(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
@@ -456,6 +457,9 @@ def test_a_link_planted_at_the_temporary_name_is_not_written_through(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     planted = [out / f".{name}.{socket.gethostname()}.{proc.pid}.tmp"
                for name in ("checkpoint.pt", "summary.json")]
+    now = int(time.time())
+    planted += [out / f"events.out.tfevents.{t:010d}.{socket.gethostname()}.{proc.pid}.{n}"
+                for t in range(now - 2, now + 90) for n in (0, 1)]
     for link in planted:
         link.symlink_to(target)
     stdout, stderr = proc.communicate(timeout=180)
@@ -471,6 +475,14 @@ def test_a_link_planted_at_the_temporary_name_is_not_written_through(tmp_path):
     checkpoint.save(out / "checkpoint.pt", *state, 3)
     assert not planted[0].is_symlink() and target.read_bytes() == VICTIM
 
+
+def test_the_room_check_of_10_and_11_replaces_no_file_of_yours(tmp_path):
+    """check_room writes a probe in --out-dir and removes it: at a fixed name, .write-check,
+    it replaced and then deleted a file of the user's there."""
+    (tmp_path / ".write-check").write_text("the user's")
+    checkpoint.check_room(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".write-check"]
+    assert (tmp_path / ".write-check").read_text() == "the user's"
 
 def test_two_runs_of_steps_00_06_in_one_out_dir_are_refused_in_one_line(tmp_path):
     """07-09 refused a second run in their --out-dir; 00-06 let two runs overwrite each other's

@@ -165,6 +165,18 @@ def test_a_restart_does_not_adopt_another_runs_checkpoint(folder, uninterrupted,
     assert proc.stdout.count("test accuracy") == 2, proc.stdout  # both epochs trained
 
 
+
+def test_a_restart_over_a_fifo_at_the_checkpoints_name_does_not_wait(folder, tmp_path):
+    """A FIFO planted at <out-dir>/checkpoint.pt: a restarted run read it with torch.load and
+    waited for a writer for good (its SIGTERM handler only notes the signal). Not a file, so
+    not a checkpoint: the run starts afresh, and its first save replaces the FIFO."""
+    out = tmp_path / "fifo"
+    out.mkdir()
+    os.mkfifo(out / "checkpoint.pt")
+    proc = launch([sys.executable, TEMPLATE, "--epochs", 1, "--out-dir", out], cwd=folder,
+                  env=base_env(TORCHELASTIC_RESTART_COUNT=1), timeout=120)
+    assert "resumed" not in proc.stdout and (out / "checkpoint.pt").is_file(), proc.stdout
+
 @pytest.mark.parametrize("nproc, flags", [
     (3, []),  # the defaults; and uneven micro-batches (50 samples a rank: 16, 17, 17)
     (2, ["--batch-size", "100", "--accumulation", "3"])])
