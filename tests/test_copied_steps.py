@@ -51,7 +51,7 @@ def copied(tmp_path_factory):
               "03b_sharded_optimizer.py", LAST], folder)
     (root / "09" / "checkpoint-epoch-best").mkdir(parents=True)
     (root / "09" / "checkpoint-epoch-best" / "mine.txt").write_text("the user's")
-    (root / "09" / ".checkpoint.link").write_text("the user's")  # (09's fixed name until 12-29)
+    (root / "09" / ".checkpoint.link").write_text("the user's")  # (09 deleted it)
     runs = {"folder": folder}
     for name, script, where, extra in [
             ("00", "00_single_gpu.py", folder, []), ("00 repo", "00_single_gpu.py", REPO, []),
