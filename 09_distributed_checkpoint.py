@@ -71,9 +71,11 @@ def own_checkpoint(latest, settings, run):
 
 def why(err, folder=None) -> str:
     """An OSError's own words (a disk can run out of inodes with bytes to spare), or torch's."""
+    said = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [""])[0][:160]
     if getattr(err, "errno", None) == errno.ENOSPC and os.statvfs(folder.parent).f_favail == 0:
-        return f"{err.strerror} (no inodes left there, though bytes are: see df -i)"
-    return getattr(err, "strerror", None) or (str(err).strip().splitlines() or [""])[0][:160]
+        return f"{said} (no inodes left there, though bytes are: see df -i)"
+    return said + (f"; {shutil.disk_usage(folder.parent).free / 2**20:.1f} MiB free there: disk "
+                   f"full?" if folder and "unexpected pos" in said else "")  # (torch's writer)
 
 
 def made_by_09(path) -> bool:  # the only folders 09 removes (not a checkpoint-best of yours)
@@ -89,6 +91,7 @@ class Commits:
 
     def __init__(self, out_dir, run, settings):
         self.out_dir, self.run, self.settings, self.pending = out_dir, run, settings, None
+        self.link = out_dir / "checkpoint"  # the newest complete checkpoint
 
     def new_folder(self, name: str, rng: dict):
         self.finish()
@@ -106,7 +109,7 @@ class Commits:
             if self.run.is_main:  # which run wrote it (own_checkpoint reads it)
                 common.save_atomically(folder / "run.json", lambda file:
                                        file.write(json.dumps(self.settings).encode()))
-        except OSError as err:  # a full disk, a read-only filesystem, ...
+        except (OSError, RuntimeError) as err:  # a full disk (torch's too), read-only, ...
             failed = why(err, folder)
         self.agree(folder, failed)
         self.folder = folder
@@ -125,9 +128,8 @@ class Commits:
         dist.barrier()  # every rank then says the same line
         removed = ("left the link as it was" if folder.is_symlink() else
                    "could not remove it" if folder.exists() else "removed it")
-        link = self.out_dir / "checkpoint"
-        kept = (f"the last complete checkpoint, {os.readlink(link)}, is unchanged"
-                if link.is_symlink() else "no complete checkpoint was written before it")
+        kept = (f"the last complete checkpoint, {os.readlink(self.link)}, is unchanged"
+                if self.link.is_symlink() else "no complete checkpoint was written before it")
         raise common.UserError(f"could not write checkpoint {folder}: {failed}; {removed}, {kept}")
 
     def started(self, future) -> None:  # dcp.async_save's: done once the shards are written
@@ -150,14 +152,10 @@ class Commits:
             try:
                 self.switch_link(folder)
             except OSError as err:
-                link = self.out_dir / "checkpoint"
                 failed = (f"could not commit checkpoint {folder}: {why(err, folder)}; it is "
                           f"complete: resume from it with --resume {folder}" + (
-                              f" ({link} still names {os.readlink(link)})"
-                              if link.is_symlink() else ""))
-            for old in set(self.out_dir.glob("checkpoint-*")) - {folder} if not failed else ():
-                if made_by_09(old):
-                    shutil.rmtree(old)
+                              f" ({self.link} still names {os.readlink(self.link)})"
+                              if self.link.is_symlink() else ""))
             common.log(self.run, f"checkpoint {folder.name}: {returned - started:.2f} s blocking "
                                  f"training, then {time.perf_counter() - returned:.2f} s in the "
                                  f"background")
@@ -169,13 +167,15 @@ class Commits:
     def switch_link(self, folder) -> None:
         """The commit: one atomic rename of a new link over the old. (A run folder copied with
         `scp -r` holds a real checkpoint named checkpoint: moved aside first, removed as old.)"""
-        link, temporary = self.out_dir / "checkpoint", self.out_dir / f".link.{time.time_ns()}"
+        link, temporary = self.link, self.out_dir / f".link.{time.time_ns()}"
         if os.path.lexists(link) and not link.is_symlink():  # replaced: only a link, or a copy
             if not (link / ".metadata").is_file():
                 raise OSError(f"{link} is neither 09's link nor a checkpoint")
             link.rename(self.out_dir / f"checkpoint-copied-{time.time_ns()}")
         temporary.symlink_to(folder.name)  # (a new name: no one's file is replaced)
-        os.replace(temporary, link)  # the commit
+        os.replace(temporary, link)  # the commit; then the older checkpoints go
+        for old in set(filter(made_by_09, self.out_dir.glob("checkpoint-*"))) - {folder}:
+            shutil.rmtree(old)
 
 
 class MetadataUnpickler(pickle.Unpickler):

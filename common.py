@@ -137,7 +137,7 @@ def set_deterministic(on: bool) -> None:
 
 
 def setup_distributed(args) -> Run:
-    """Join the process group, as step 02's setup() writes out (steps 04 on call this)."""
+    """Join the process group, as step 02's setup() writes out (steps 05 on call this)."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # plain python: a world of one
@@ -662,8 +662,8 @@ def save_atomically(path: Path, write) -> None:
 
 
 def save_torch(path: Path, state) -> None:
-    """torch.save, atomically, through a Python file: a full disk then says "No space left on
-    device" (to a path torch.save writes in C++: "unexpected pos ...", torch 2.14.1)."""
+    """torch.save, atomically. A full disk raises the file's OSError or, when the file's last
+    flush fits, torch's RuntimeError "unexpected pos ..." over it (torch 2.14.1)."""
     save_atomically(path, lambda file: torch.save(state, file))
 
 

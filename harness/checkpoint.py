@@ -72,9 +72,9 @@ def write_atomically(path: Path, write) -> None:
 
     On any failure the temporary file goes (where the filesystem still lets it: see discard)
     and the error is raised as it came; a temporary file that a killed process left (SIGKILL
-    runs no cleanup) is removed by the next write of `path` on that machine. Every atomic write
-    of the tutorial (checkpoints, summary.json, step 09's small files, step 06's HDF5 file, the
-    profiler's summaries) goes through here.
+    runs no cleanup) is removed by the next write of `path` on that machine. The harness's own
+    atomic writes (checkpoints, summary.json, step 06's HDF5 file, the profiler's summaries) go
+    through here; what a step writes itself goes through common.save_atomically.
     """
     remove_dead_temporaries(path)
     tmp, fd = create_temporary(path)

@@ -161,13 +161,16 @@ def test_the_timeline_names_an_empty_trace(tmp_path):
     assert not (tmp_path / "out.png").exists()
 
 
-def test_a_random_state_file_that_meets_a_full_disk_is_absent_not_cut(small_disk):
-    """Step 09's per-rank files (rng-rank<R>.pt, run.json) are written through a temporary
-    file, fsync and a rename: a full disk leaves neither a cut file nor the temporary one."""
-    from harness import step09_dcp_checkpoint as dcp_checkpoint
+def test_09s_small_files_that_meet_a_full_disk_are_absent_not_cut(small_disk):
+    """Step 09's own files beside its shards, each written to a temporary file then renamed:
+    rng-rank<R>.pt (common.save_torch, as the harness checks it) and run.json
+    (common.save_atomically). A full disk leaves neither a cut file nor the temporary one."""
     (small_disk / "filler").write_bytes(b"\0" * (12 * 2**20 - 2**18))  # all but 256 KiB
+    with pytest.raises((OSError, RuntimeError)) as raised:  # (torch's: "unexpected pos")
+        common.save_torch(small_disk / "rng-rank0.pt", {"cpu": torch.ones(2**18)})  # 1 MiB
+    assert "No space left" in f"{raised.value} {raised.value.__context__}", raised.value
     with pytest.raises(OSError, match="No space left"):
-        dcp_checkpoint.write_atomically(small_disk / "rng-rank0.pt", b"\1" * 2**20)
+        common.save_atomically(small_disk / "run.json", lambda file: file.write(b"\1" * 2**20))
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
 
 
