@@ -64,7 +64,7 @@ def parse_flags():
 
 
 def setup(args):
-    """Join the process group as steps 04 on do (common.setup_distributed: step 03's setup);
+    """Join the process group as steps 05 on do (common.setup_distributed: step 04's setup);
     --timeout (15 s here) bounds every collective."""
     # INFO: DDP's errors name the parameters they are about, not only their indices. Read
     # when DDP is built; torch.distributed read the variable when it was imported.

@@ -39,7 +39,7 @@ EXIT_MISTAKE = 4  # the planted mistake showed (as in 11)
 
 
 def setup():
-    """The flags, then the group, joined as 04 on do, on the CPU (tiny tensors; gloo's timeout
+    """The flags, then the group, joined as 05 on do, on the CPU (tiny tensors; gloo's timeout
     raises in Python, NCCL's ends the process: see 10): --timeout ends the planted hang. `proof`:
     for the step's own checks, which never pair with DDP's all-reduces, and wait twice as long."""
     parser = common.Parser(prog="12_what_to_reduce.py", description=__doc__,

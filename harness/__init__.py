@@ -9,7 +9,9 @@ Importing it replaces common.py's plain functions by checked ones, which train t
 - common.load_datasets: MNIST's .gz files, a checked download (data.py);
 - common.Progress, common.Metrics: live progress, the NaN check, FLOPs and MFU, TensorBoard,
   the --out-dir lock (metrics.py, flops.py, profiling.py);
-- common.save/restore_checkpoint, save_torch: checked (checkpoint.py); LRSchedule (schedule.py).
+- common.save/restore_checkpoint, save_torch: checked (checkpoint.py); LRSchedule (schedule.py);
+- common.compile_choice: a compiler found, or one line (launcher.py); common.write_h5, open_h5:
+  06's file, checked (step06_digits_h5.py).
 
 It never replaces a function a step defines: the code a learner reads is the code that runs.
 Modules named stepNN_* check around step NN (around.py), before its main() and after it.
