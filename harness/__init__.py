@@ -1,7 +1,7 @@
 """The harness: what makes a run robust but teaches nothing.
 
-A step takes it in with its first lines (`try: import harness`); a copied step runs without.
-Importing it replaces common.py's plain functions by checked ones, which train the same:
+A step takes it in with `try: import harness`; a copied step runs without. Importing it replaces
+common.py's plain functions by checked ones, which train the same (stepNN_*: around step NN):
 
 - common.parser: every flag's range (flags.py), one line per bad flag, on every rank;
 - common.run_main, common.record: one-line errors on every rank, signals, the watchdog
@@ -10,11 +10,9 @@ Importing it replaces common.py's plain functions by checked ones, which train t
 - common.Progress, common.Metrics: live progress, the NaN check, FLOPs and MFU, TensorBoard,
   the --out-dir lock (metrics.py, flops.py, profiling.py);
 - common.save/restore_checkpoint, save_torch: checked (checkpoint.py); LRSchedule (schedule.py);
-- common.compile_choice: a compiler found, or one line (launcher.py); common.write_h5, open_h5:
-  06's file, checked (step06_digits_h5.py).
+- common.compile_choice: its tools checked (launcher.py); write_h5, open_h5: checked (step06_*).
 
 It never replaces a function a step defines: the code a learner reads is the code that runs.
-Modules named stepNN_* check around step NN (around.py), before its main() and after it.
 """
 
 from . import startup  # noqa: F401 -- first, before torch: a Ctrl-C while it loads is one line
