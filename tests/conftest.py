@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -472,10 +473,21 @@ RESTART_ARGS = ["--data", "mnist", "--train-samples", 960, "--batch-size", 48, "
 
 @pytest.fixture(scope="session")
 def uninterrupted_07(mnist_root, tmp_path_factory) -> Path:
-    """Step 07 on 2 ranks, never interrupted: what every restart test and step 08 must equal."""
-    out = tmp_path_factory.mktemp("uninterrupted_07")
-    run_step("07_fault_tolerance.py", [*RESTART_ARGS, "--data-dir", mnist_root, "--out-dir", out],
-             nproc=2, probe_dir=out / "probe")
+    """Step 07 on 2 ranks, never interrupted: what every restart test and step 08 must equal.
+    Run once for the whole run, as shared_compile_cache is shared: the first of pytest-xdist's
+    workers to need it runs it, holding a lock; the others wait for it, then read it."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's folder is in the run's own
+        root = root.parent
+    out = root / "uninterrupted_07"
+    with open(root / "uninterrupted_07.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "summary.json").exists():  # (written last: the run is complete)
+            shutil.rmtree(out, ignore_errors=True)  # (what a failed attempt left)
+            run_step("07_fault_tolerance.py", [*RESTART_ARGS, "--data-dir", mnist_root,
+                                               "--out-dir", out], nproc=2, probe_dir=out / "probe")
     return out
 
 
