@@ -4,13 +4,13 @@ A step takes it in with `try: import harness`; a copied step runs without. Impor
 common.py's plain functions by checked ones, which train the same (stepNN_*: around step NN):
 
 - common.parser: every flag's range (flags.py), one line per bad flag, on every rank;
-- common.run_main, common.record: one-line errors on every rank, signals, the watchdog
-  (errors.py); around torch's init_process_group: the ranks that never came (launcher.py);
+- common.run_main, record: one-line errors on every rank, signals, the watchdog (errors.py);
 - common.load_datasets: MNIST's .gz files, a checked download (data.py);
-- common.Progress, common.Metrics: live progress, the NaN check, FLOPs and MFU, TensorBoard,
-  the --out-dir lock (metrics.py, flops.py, profiling.py);
-- common.save/restore_checkpoint, save_torch: checked (checkpoint.py); LRSchedule (schedule.py);
-- common.compile_choice: its tools checked (launcher.py); write_h5, open_h5: checked (step06_*).
+- common.Progress, Metrics: the NaN check, FLOPs, TensorBoard, the --out-dir lock (metrics.py);
+- common.save/restore_checkpoint, save_torch: checked (checkpoint.py); LRSchedule: a resume
+  takes this run's --lr and steps per epoch, where a copy keeps the checkpoint's (schedule.py);
+- common.compile_choice: its tools checked, and init_process_group: the ranks that never came
+  (launcher.py); common.write_h5, open_h5: checked (step06_*).
 
 It never replaces a function a step defines: the code a learner reads is the code that runs.
 """

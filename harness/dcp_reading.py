@@ -142,22 +142,29 @@ class SafePlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)  # the same bytes, now known to be plain data
 
 
-def complete_folder(path: Path) -> Path:
+def complete_folder(path: Path, own_reader: type | None = None) -> Path:
     """The checkpoint folder `path` names (or links to), if a save finished writing it and its
-    .metadata holds nothing but metadata."""
+    .metadata holds nothing but metadata. `own_reader`: the step's own safe reader (09's
+    SafeReader), read first, so that its refusal is the one that runs; this one's then names a
+    shard outside the folder."""
     folder = Path(path).resolve()
     if not (folder / ".metadata").is_file():
         raise UserError(f"{path} is not a complete DCP checkpoint: no .metadata in {folder} (a "
                         f"save that did not finish, or not a checkpoint of step 09)")
-    try:
-        SafeReader(folder).read_metadata()
-    except OutsideFolder as err:
-        raise UserError(f"{folder / '.metadata'} reaches outside its checkpoint folder: {err}; "
-                        f"not loading it") from None
-    except Exception as err:  # noqa: BLE001 -- pickle errors, truncated file, ...
+    failed = []
+    for reader in dict.fromkeys([own_reader or SafeReader, SafeReader]):
+        try:
+            reader(folder).read_metadata()
+        except Exception as err:  # noqa: BLE001 -- pickle errors, truncated file, ...
+            failed.append(err)
+    outside = [err for err in failed if isinstance(err, OutsideFolder)]
+    if outside:
+        raise UserError(f"{folder / '.metadata'} reaches outside its checkpoint folder: "
+                        f"{outside[0]}; not loading it")
+    if failed:
         raise UserError(f"{folder / '.metadata'} is damaged or is not a DCP checkpoint's "
-                        f"metadata; not loading it ({type(err).__name__}: "
-                        f"{first_line(err, 120)})") from None
+                        f"metadata; not loading it ({type(failed[0]).__name__}: "
+                        f"{first_line(failed[0], 120)})")
     return folder
 
 

@@ -30,8 +30,11 @@ TORCH = {"load": dcp.load, "read_data": FileSystemReader.read_data}
 
 def checked_load(state_dict, *, checkpoint_id=None, storage_reader=None, **kwargs):
     """torch's dcp.load, as 09 calls it: the folder complete and its .metadata plain data
-    first, DCP's failures in one line, and the values loaded into "extra" checked."""
-    folder = complete_folder(getattr(storage_reader, "path", None) or checkpoint_id)
+    first (read by 09's own SafeReader first: never by torch's plain one, which runs what a
+    pickle names), DCP's failures in one line, and the values loaded into "extra" checked."""
+    own = type(storage_reader) if storage_reader is not None and (
+        type(storage_reader).read_metadata is not FileSystemReader.read_metadata) else None
+    folder = complete_folder(getattr(storage_reader, "path", None) or checkpoint_id, own)
     with one_line_errors(folder), warnings.catch_warnings():  # (export: no group, and says so)
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         TORCH["load"](state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,

@@ -262,6 +262,28 @@ def test_a_checkpoint_that_is_incomplete_of_another_model_or_malicious_is_one_li
     assert not marker.exists()  # the payload never ran
 
 
+def test_in_the_repository_09s_own_unpickler_is_the_one_that_refuses(runs, tmp_path,
+                                                                     monkeypatch):
+    """The harness checks a folder before dcp.load reads it (checked_load, which the harness
+    puts in dcp.load's place while 09 runs) with 09's own SafeReader first: the refusal a
+    learner reads in 09 (MetadataUnpickler.find_class) is the one that runs, in the repository
+    as in a copy. (The harness's reader refused first, and 09's never ran.)"""
+    import importlib
+    step09 = importlib.import_module(Path(STEP).stem)
+    met, find_class = [], step09.MetadataUnpickler.find_class
+
+    def spy(self, module, name):
+        met.append(f"{module}.{name}")
+        return find_class(self, module, name)
+    monkeypatch.setattr(step09.MetadataUnpickler, "find_class", spy)
+    marker = tmp_path / "code-ran"
+    malicious = with_malicious_metadata(runs["straight"]["out"] / "checkpoint",
+                                        tmp_path / "malicious", marker)
+    with pytest.raises(UserError, match="posix.system is not allowed in a checkpoint"):
+        dcp_checkpoint.checked_load({}, storage_reader=step09.SafeReader(malicious))
+    assert met == ["posix.system"] and not marker.exists()
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no process group here
 def test_a_saved_value_or_random_state_that_would_run_code_is_refused(tmp_path):
     """DCP stores a value that is not a tensor (the epoch, the scheduler) as a pickle, which
