@@ -75,7 +75,7 @@ def why(err, folder=None) -> str:
     if getattr(err, "errno", None) == errno.ENOSPC and os.statvfs(folder.parent).f_favail == 0:
         return f"{said} (no inodes left there, though bytes are: see df -i)"
     return said + (f"; {shutil.disk_usage(folder.parent).free / 2**20:.1f} MiB free there: disk "
-                   f"full?" if folder and "unexpected pos" in said else "")  # (torch's writer)
+                   f"full?" if folder and "inline_container" in said else "")  # (torch's writer)
 
 
 def made_by_09(path) -> bool:  # the only folders 09 removes (not a checkpoint-best of yours)
