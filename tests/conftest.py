@@ -60,23 +60,6 @@ def mnist_root(tmp_path_factory) -> Path:
     return root
 
 
-# The longest test files (each over 100 s of one worker's time, 2026-11-29), started first.
-LONGEST_FIRST = ("test_tour.py", "test_slurm.py", "test_template.py")
-
-
-def pytest_configure(config):
-    """pytest-xdist (3.8) hands out `--dist loadfile`'s files by how many tests each holds, most
-    first: the tour, one test of ~105 s, started last and ran alone for its last ~80 s while the
-    other worker waited (a clean run of 34b9aa9). Handed out as collected instead, the longest
-    files (LONGEST_FIRST) start first, and the short ones fill in at the end."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # (stable: else as collected)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def shared_compile_cache(tmp_path_factory):
     """One inductor cache for the whole run, shared by pytest-xdist's workers: a second compile
