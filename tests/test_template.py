@@ -37,11 +37,17 @@ def folder(tmp_path_factory):
     backward = "            scaler.scale(loss).backward()  # (a disabled scaler: loss.backward())\n"
     clip_in_loop = text.replace(backward, backward + "            torch.nn.utils.clip_grad_norm_("
                                 "model.parameters(), max_norm)\n")  # each rank's, in no_sync
-    # paced: 0.1 s a micro-batch, so that a kill lands in the step after a checkpoint
-    slow = text.replace("import tempfile\n", "import tempfile\nimport time\n").replace(
-        "    inputs, targets = batch  #", "    time.sleep(0.1)\n    inputs, targets = batch  #")
+    # paced: 0.1 s a micro-batch, so that a kill lands in the step after a checkpoint; and 1 s
+    # before an epoch's end is saved, so that a kill sent after the checkpoint of its last step
+    # but one lands before it (with both cores busy, it once came only after: 2026-11-29)
+    slow = text.replace("import tempfile\n", "import tempfile\nimport time\n")
+    slow = slow.replace("    inputs, targets = batch  #",
+                        "    time.sleep(0.1)\n    inputs, targets = batch  #")
+    slow = slow.replace("        checkpoint(epoch + 1, 0)\n",
+                        "        time.sleep(1)\n        checkpoint(epoch + 1, 0)\n")
     assert plain_bn != text and no_sampler != text and clip_in_loop != text  # (still planted)
     assert slow.count("time.sleep(0.1)") == 1 and "import time\n" in slow
+    assert slow.count("time.sleep(1)\n        checkpoint(epoch + 1, 0)") == 1
     (folder / "plain_bn.py").write_text(plain_bn)
     (folder / "no_sampler.py").write_text(no_sampler)
     (folder / "clip_in_loop.py").write_text(clip_in_loop)
