@@ -204,8 +204,8 @@ class SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         files = {p.name for p in self.path.iterdir() if not p.is_symlink()}  # (a link: out)
-        if not {info.relative_path for info in metadata.storage_data.values()} <= files:
-            raise pickle.UnpicklingError(f"{self.path}/.metadata names a file not in its folder")
+        if gone := {info.relative_path for info in metadata.storage_data.values()} - files:
+            raise pickle.UnpicklingError(f"{self.path} has no {min(gone)}, which .metadata names")
         return metadata
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
-import subprocess
 import sys
+import tempfile
+import urllib.parse
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +99,6 @@ def extract_mnist(mnist_dir: Path) -> None:
     them gzipped; torchvision's download unpacks them, its reader reads only the unpacked
     ones). Each is written whole or not at all (checkpoint.write_atomically)."""
     import gzip
-    import shutil
     import zlib
 
     from .checkpoint import write_atomically, write_failure
@@ -117,16 +118,18 @@ def extract_mnist(mnist_dir: Path) -> None:
 
 
 def try_download_mnist(data_dir: Path) -> None:
-    """Download MNIST with torchvision if its servers answer within seconds (no long retries
-    when offline). Files land in a temporary folder and are renamed into place, so an
-    interrupted download, or two nodes downloading into one shared folder, leave no half file."""
+    """Download MNIST with torchvision if one of its mirrors answers within seconds (no long
+    retries when offline). Files land in a new folder with a random name (mkdtemp: no one can
+    plant a link at it beforehand) and are renamed into place, so an interrupted download, or
+    two nodes downloading into one shared folder, leave no half file."""
     from torchvision.datasets import MNIST  # imported here: torchvision costs ~3 s to import
 
-    hosts = sorted({mirror.split("/")[2] for mirror in MNIST.mirrors})
-    if not any(_reachable(host) for host in hosts):
+    if not any(_reachable(mirror) for mirror in MNIST.mirrors):
         return
-    tmp = data_dir / f".download-{socket.gethostname()}-{os.getpid()}"
+    tmp = None
     try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=data_dir))
         MNIST(tmp, train=True, download=True)
         MNIST(tmp, train=False, download=True)
         target = data_dir / "MNIST" / "raw"
@@ -134,14 +137,19 @@ def try_download_mnist(data_dir: Path) -> None:
         for name in MNIST_FILES:
             os.replace(tmp / "MNIST" / "raw" / name, target / name)
     except Exception as err:  # noqa: BLE001 -- any failure means "not downloadable"
-        print(f"warning: MNIST download failed: {err}", file=sys.stderr, flush=True)
+        print(f"warning: MNIST download failed: {first_line(err, 200)}", file=sys.stderr,
+              flush=True)
     finally:
-        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _reachable(host: str, port: int = 443, timeout_s: float = 3.0) -> bool:
+def _reachable(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether the server of `url` accepts a connection, on its own port (http: 80)."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
         return True
     except OSError:
         return False

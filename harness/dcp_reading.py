@@ -1,7 +1,7 @@
 """Reading step 09's DCP folders without running code, and DCP's failures in one line.
 
-Used around step 09 (step09_dcp_checkpoint.py, which re-exports every name here). torch 2.14's DCP reads
-`.metadata` with plain `pickle.load`, and the non-tensor values of a state dict with
+Used around step 09 (step09_dcp_checkpoint.py, which re-exports every name here). torch 2.14's
+DCP reads `.metadata` with plain `pickle.load`, and the non-tensor values of a state dict with
 `torch.load(weights_only=False)`: a replaced file would run whatever it holds. Every load goes
 through SafeReader and SafePlanner, which accept plain data and DCP's own classes only; a folder
 is complete when its `.metadata` is (complete_folder); one_line_errors turns DCP's
@@ -115,6 +115,12 @@ def check_inside(folder: Path, storage_data) -> None:
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not (root / name).resolve().is_relative_to(root):
             raise OutsideFolder(f"it names {name!r}, a file outside {root}")
+        if not (root / name).exists():  # (a FIFO is: opening it blocks, as on a hung NFS)
+            raise MissingFile(f"its .metadata names {name!r}, which is not in it")
+
+
+class MissingFile(ValueError):
+    """A .metadata that names a shard its folder lacks (copied in part, a file deleted)."""
 
 
 class UnreadableFile(Exception):
@@ -161,6 +167,10 @@ def complete_folder(path: Path, own_reader: type | None = None) -> Path:
     if outside:
         raise UserError(f"{folder / '.metadata'} reaches outside its checkpoint folder: "
                         f"{outside[0]}; not loading it")
+    missing = [err for err in failed if isinstance(err, MissingFile)]
+    if missing:
+        raise UserError(f"checkpoint {folder} is incomplete: {missing[0]} (copied in part?); "
+                        f"not loading it")
     if failed:
         raise UserError(f"{folder / '.metadata'} is damaged or is not a DCP checkpoint's "
                         f"metadata; not loading it ({type(failed[0]).__name__}: "

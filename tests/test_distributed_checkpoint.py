@@ -231,6 +231,8 @@ def test_a_checkpoint_that_is_incomplete_of_another_model_or_malicious_is_one_li
     # Issue 43: a shard named outside the folder was loaded silently; a run.json nested some
     # 100,000 lists deep ended in a RecursionError traceback.
     outside = reaching_outside(saved, tmp_path / "outside")
+    missing = damaged_copy(saved, tmp_path / "missing", "run.json", lambda data: data)
+    (missing / "__1_0.distcp").unlink()  # (copied in part: 09's reader names it, 2026-11-29)
     nested = damaged_copy(saved, tmp_path / "nested", "run.json",
                           lambda data: b"[" * 100_000 + b"]" * 100_000)
     for command, resume, extra, expected in [
@@ -250,6 +252,8 @@ def test_a_checkpoint_that_is_incomplete_of_another_model_or_malicious_is_one_li
                                    f"folder: it names '../other/__1_0.distcp', a file outside "
                                    f"{outside}; not loading it"),
             ("export", outside, [], f"{outside / '.metadata'} reaches outside its checkpoint"),
+            ("export", missing, [], f"checkpoint {missing} is incomplete: its .metadata names "
+                                    f"'__1_0.distcp', which is not in it (copied in part?)"),
             ("train", nested, [], f"{nested / 'run.json'} is damaged or unreadable "
                                   f"(RecursionError: ")]:
         proc = run_step(STEP, [command, "--data", "synthetic", "--train-samples", 96,

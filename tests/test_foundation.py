@@ -106,6 +106,59 @@ def test_mnist_required_but_missing_fails_clearly(tmp_path):
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+def test_a_download_lands_whole_and_writes_through_no_planted_link(mnist_root, tmp_path,
+                                                                    monkeypatch, capsys):
+    """torchvision's download, from a mirror on loopback that serves the test files gzipped,
+    lands in --data-dir/MNIST/raw. It downloads into a folder of a new, random name (mkdtemp):
+    a link planted at the old, predictable one (.download-<host>-<pid>) receives nothing.
+    A mirror that fails leaves one warning line, and no folder behind."""
+    import gzip
+    import hashlib
+    import http.server
+    import os
+    import socket
+    import threading
+    from functools import partial
+
+    from torchvision.datasets import MNIST
+
+    from harness import data
+
+    served = tmp_path / "served"
+    served.mkdir()
+    resources = []
+    for name in data.MNIST_FILES:
+        packed = gzip.compress((mnist_root / "MNIST" / "raw" / name).read_bytes())
+        (served / f"{name}.gz").write_bytes(packed)
+        resources.append((f"{name}.gz", hashlib.md5(packed).hexdigest()))
+    quiet = type("Quiet", (http.server.SimpleHTTPRequestHandler,), {"log_message": print})
+    server = type("Server", (http.server.ThreadingHTTPServer,), {"handle_error": print})(
+        ("127.0.0.1", 0), partial(quiet, directory=served))  # (torchvision hangs up early)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(MNIST, "mirrors", [f"http://127.0.0.1:{server.server_port}/"])
+    monkeypatch.setattr(MNIST, "resources", resources)
+    data_dir, outside = tmp_path / "data", tmp_path / "outside"
+    data_dir.mkdir(), outside.mkdir()
+    planted = data_dir / f".download-{socket.gethostname()}-{os.getpid()}"
+    planted.symlink_to(outside)
+    try:
+        data.try_download_mnist(data_dir)
+        for name in data.MNIST_FILES:
+            raw = data_dir / "MNIST" / "raw" / name
+            assert raw.read_bytes() == (mnist_root / "MNIST" / "raw" / name).read_bytes()
+        assert sorted(p.name for p in data_dir.iterdir()) == [planted.name, "MNIST"]
+        assert list(outside.iterdir()) == []
+
+        monkeypatch.setattr(MNIST, "resources", [("missing.gz", "0" * 32)])  # 404
+        data.try_download_mnist(tmp_path / "second")
+    finally:
+        server.shutdown(), server.server_close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: MNIST download failed: ")
+    assert list((tmp_path / "second").iterdir()) == []
+    assert not data._reachable(f"http://127.0.0.1:{server.server_port}/")  # (shut down)
+
+
 # ---------------------------------------------------------------- batch plan
 def batch_flags(batch_size=None, per_rank=None, max_device_batch=None, scaling="none",
                 warmup=0, lr=0.05):
