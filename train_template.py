@@ -69,8 +69,8 @@ def add_flags(parser):  # YOURS: your own flags, of plain types (a restart check
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, from rank 0 alone (every rank exits 2)
-        if int(os.environ.get("RANK", 0)) == 0:
-            super().error(message)
+        if int(os.environ.get("RANK", 0)) == 0:  # (argparse's own prints its usage first)
+            self.exit(2, f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
 
 def positive(text):  # a flag's type (yours too): a whole number, at least 1
@@ -226,8 +226,8 @@ def check(model, raw_model, optimizer, scheduler, loader, device, args):
         module.process_group = solo  # SyncBatchNorm (or yours) replayed: over rank 0's batch
     optimizers = [build_optimizer(twin, args, args.epochs * len(loader)) for twin in twins]
     for step, (batches, samples) in zip(range(1, args.check_steps + 1), loader):
-        totals = train_step(model, to_device(batches, device), optimizer, scheduler, NO_SCALER,
-                            nullcontext(), args.max_norm)
+        totals = train_step(model, [to(b, device) for b in batches], optimizer, scheduler,
+                            NO_SCALER, nullcontext(), args.max_norm)
         gathered = [None] * world
         dist.all_gather_object(gathered, samples)  # (the loader's, on the CPU)
         if rank != 0:
@@ -249,9 +249,6 @@ def check(model, raw_model, optimizer, scheduler, loader, device, args):
     log("diagnosis: " + (verdict or f"DDP on {world} ranks computes what one process "
                                     f"computes, within rounding, for {step} steps"))
     return int(failed.item())
-
-def to_device(batches, device):
-    return [to(batch, device) for batch in batches]
 
 def same(a, b):  # two ranks' samples, tensor for tensor
     return all(torch.equal(x, y) for s, t in zip(a, b) for x, y in zip(s, t))
@@ -311,6 +308,9 @@ def main():
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world)), 256,
                              collate_fn=collate)
     steps = len(loader)  # per epoch
+    if not steps:  # (the schedule would divide by 0): rank 0 says why, every rank exits 2
+        log(f"error: --batch-size {args.batch_size} > {len(train_set)} training samples")
+        return 2
     optimizer, scheduler = build_optimizer(model, args, args.epochs * steps)
     log(f"{world} rank(s) on {device}, {per_rank} samples each a step in {args.accumulation} "
         f"micro-batch(es), {steps} steps an epoch, amp "
@@ -325,13 +325,13 @@ def main():
         "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))  # (SLURM): resume
     saved = torch.load(path, map_location="cpu", weights_only=True) if restarted and \
         os.path.isfile(path) else {}  # (weights_only: loading runs no code from the file)
-    start, done, rng = 0, 0, None
+    start, done, rng, sums = 0, 0, None, torch.zeros(2, dtype=torch.float64, device=device)
     if saved and saved.get("settings") != settings:  # another run's, in this --out-dir
         log(f"not resuming from {path}: another run's (flags {saved.get('settings')})")
     elif saved:
         for name, part in kept.items():
             part.load_state_dict(saved[name])
-        start, done = saved["epoch"], saved["step"]
+        start, done, sums = saved["epoch"], saved["step"], saved["sums"].to(device)
         if done and len(saved["rng"]) == world:  # mid-epoch: an epoch starts from its seed
             rng = saved["rng"][rank]
         log(f"resumed at step {done} of epoch {start + 1}")
@@ -343,7 +343,7 @@ def main():
         if not all(t.isfinite().all() for t in raw_model.state_dict().values()):
             raise FloatingPointError("the weights are not finite")  # (never saved)
         if rank == 0:  # every rank holds the same weights: one writer is enough
-            save(path, {**{name: part.state_dict() for name, part in kept.items()},
+            save(path, {**{name: part.state_dict() for name, part in kept.items()}, "sums": sums,
                         "epoch": epoch, "step": step, "rng": states, "settings": settings})
         dist.barrier()  # no rank reads it before it is complete
 
@@ -356,10 +356,10 @@ def main():
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], device)
-        sums, step, stopping = torch.zeros(2, dtype=torch.float64, device=device), done, False
+        sums, step, stopping = (sums if done else sums.zero_()), done, False  # (mid-epoch: as saved)
         for micro in batches:
-            sums += train_step(model, to_device(micro, device), optimizer, scheduler, scaler,
-                               amp, args.max_norm)
+            sums += train_step(model, [to(b, device) for b in micro], optimizer, scheduler,
+                               scaler, amp, args.max_norm)
             step += 1
             votes = torch.tensor(float(bool(stop)), device=device)
             voting = (epoch * steps + step) % VOTE_EVERY == 0 or step == steps  # (a vote
@@ -373,12 +373,12 @@ def main():
                 return 75  # (sysexits' TEMPFAIL: stopped early, checkpointed; requeue me)
         done, rng = 0, None
         checkpoint(epoch + 1, 0)
-        if stopping:
-            log(f"stopping after epoch {epoch + 1}: checkpoint saved")
-            return 75
         test_loss, accuracy = evaluate(raw_model, test_loader, device, amp)
         log(f"epoch {epoch + 1}: train loss {sums[0].item() / max(1, sums[1].item()):.4f}  "
             f"test loss {test_loss:.4f}  test accuracy {100 * accuracy:.2f}%")
+        if stopping and epoch + 1 < args.epochs:
+            log(f"stopping after epoch {epoch + 1}: checkpoint saved")
+            return 75
     return 0
 
 def run():

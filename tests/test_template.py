@@ -118,11 +118,14 @@ def start_and_signal(folder, out, signum, *, torchrun_extra=(), worker=False, en
 KILL_RUN = ["--epochs", "2", "--batch-size", "256"]
 
 
+EPOCH_LINE = re.compile(r"^epoch \d+: train loss .*$", re.M)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_16(folder):
     out = folder / "uninterrupted_16"
-    launch(torchrun_cmd(2, TEMPLATE, *KILL_RUN, "--out-dir", out), cwd=folder)
-    return weights(out)
+    proc = launch(torchrun_cmd(2, TEMPLATE, *KILL_RUN, "--out-dir", out), cwd=folder)
+    return weights(out), EPOCH_LINE.findall(proc.stdout)
 
 
 @PORT_TAKEN_RERUNS
@@ -133,7 +136,9 @@ def uninterrupted_16(folder):
 def test_kill_9_of_a_rank_resumes_to_the_same_weights(folder, uninterrupted_16, every, resumed):
     """torchrun --max-restarts 1 restarts the group after a kill -9 of one rank, right after
     the first checkpoint; the template resumes from it (sampler position; every rank's RNG
-    state mid-epoch, the epoch's own seed at its start) and ends bit for bit as uninterrupted."""
+    state mid-epoch, the epoch's own seed at its start) and ends bit for bit as uninterrupted,
+    and each epoch's line is the one it printed: mid-epoch, the train loss adds up from the
+    sums saved with the steps done (they restarted at 0: a resumed epoch printed another)."""
     out = folder / f"killed_{every}"
     code, output = start_and_signal(folder, out, signal.SIGKILL, worker=True,
                                     torchrun_extra=("--max-restarts", "1"), script="slow.py",
@@ -141,7 +146,8 @@ def test_kill_9_of_a_rank_resumes_to_the_same_weights(folder, uninterrupted_16, 
                                     env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
     assert code == 0, output
     assert resumed in output, output
-    assert_same_weights(weights(out), uninterrupted_16)
+    assert_same_weights(weights(out), uninterrupted_16[0])
+    assert EPOCH_LINE.findall(output) == uninterrupted_16[1], output
 
 
 def test_sigterm_checkpoints_exits_75_and_a_requeue_ends_as_uninterrupted(folder, uninterrupted):
@@ -220,6 +226,12 @@ def test_bad_flags_are_one_line_before_any_work(folder):
     assert proc.stderr.count("error: --batch-size 128 does not divide into 3 rank(s)") == 1, \
         proc.stderr
     assert f'{TEMPLATE}", line' not in proc.stderr, proc.stderr  # no traceback through it
+    proc = launch([sys.executable, TEMPLATE, "--epochs", "0"], cwd=folder, check=False)
+    assert proc.returncode == 2 and proc.stderr == (  # (argparse's usage lines before it: gone)
+        f"{TEMPLATE}: error: argument --epochs: '0' is not a whole number of at least 1\n")
+    proc = launch([sys.executable, TEMPLATE, "--batch-size", "5000"], cwd=folder, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == "error: --batch-size 5000 > 4096 training samples\n", proc.stdout
     examples = [("--chars", "-5", PORT), ("--train-samples", "-100", RESNET)]
     for flag, value, port in examples:  # the ports' own flags: checked alike, in one line
         proc = launch([sys.executable, port, flag, value], cwd=folder, check=False)
@@ -257,6 +269,9 @@ def four_steps_an_epoch(folder):
 def test_sigterm_is_acted_on_at_4_steps_an_epoch(four_steps_an_epoch):
     code, output, out, _ = four_steps_an_epoch
     assert code != 0 and re.search(r"stopping (at step \d+ of|after) epoch", output), output
+    # A stop at an epoch's end prints that epoch's evaluation first (it was skipped for good).
+    after = re.search(r"^stopping after epoch (\d+)", output, re.M)
+    assert not after or re.search(rf"^epoch {after[1]}: train loss", output, re.M), output
     saved = torch.load(out / "checkpoint.pt", weights_only=True)
     assert saved["epoch"] < 40, "the run finished before the signal: nothing was proven"
 
