@@ -5,7 +5,9 @@ among ALL the ranks' samples, not only its own rank's. batch_loss gathers the ot
 embeddings with a gather that carries gradient back to them (GatherWithGradient, below), over
 the template's loss_group (--check replays it as one process). --gather plain uses
 dist.all_gather, whose result carries no gradient: the loss is the same, its gradients are not,
-and --check fails on them.
+and --check fails on them. Its test accuracy finds each view's partner among the views of the
+same test batch, and a rank's batches come from its own share of the test set: on another number
+of ranks the candidates differ, and so do the numbers (compare runs on one world size).
 
     torchrun --standalone --nproc-per-node 2 examples/contrastive.py --check
     torchrun --standalone --nproc-per-node 2 examples/contrastive.py --check --gather plain

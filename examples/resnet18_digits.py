@@ -7,12 +7,14 @@ only train_template.py beside it: copy the two files out together.
 
     torchrun --standalone --nproc-per-node 2 examples/resnet18_digits.py --check
     torchrun --standalone --nproc-per-node 2 examples/resnet18_digits.py --check --bn plain
+    torchrun --standalone --nproc-per-node 3 examples/resnet18_digits.py --check --batch-size 48
 
 --bn sync (the default) normalises over the global batch: torch's SyncBatchNorm on GPUs; on the
 CPU, where torch's refuses CPU inputs, convert_batchnorm() below (step 11's layer). --bn plain
 normalises each rank's share alone: --check fails, and its diagnosis names BatchNorm.
 """
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -27,11 +29,17 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository's, i
 import train_template as template  # noqa: E402
 
 
+def at_most_100_000(text):  # drawn in memory: 12 KiB each (a huge count asked for terabytes)
+    if template.positive(text) > 100_000:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 100000 samples")
+    return int(text)
+
+
 def add_flags(parser):
     parser.add_argument("--bn", choices=["sync", "plain"], default="sync",
                         help="BatchNorm over the global batch (sync) or each rank's share")
-    parser.add_argument("--train-samples", type=template.positive, default=2048)
-    parser.add_argument("--test-samples", type=template.positive, default=512)
+    parser.add_argument("--train-samples", type=at_most_100_000, default=2048)
+    parser.add_argument("--test-samples", type=at_most_100_000, default=512)
     parser.set_defaults(batch_size=64, lr=0.05, epochs=2, checkpoint_every=8)  # this model's
 
 

@@ -232,11 +232,15 @@ def test_bad_flags_are_one_line_before_any_work(folder):
     proc = launch([sys.executable, TEMPLATE, "--batch-size", "5000"], cwd=folder, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == "error: --batch-size 5000 > 4096 training samples\n", proc.stdout
-    examples = [("--chars", "-5", PORT), ("--train-samples", "-100", RESNET)]
-    for flag, value, port in examples:  # the ports' own flags: checked alike, in one line
+    examples = [("--chars", "-5", PORT, "is not a whole number"),
+                ("--train-samples", "-100", RESNET, "is not a whole number"),
+                # (unfold raised a traceback; a huge count asked for terabytes: a helper's audit)
+                ("--chars", "10", PORT, "is fewer than 33 characters"),
+                ("--test-samples", "10000000", RESNET, "is more than 100000 samples")]
+    for flag, value, port, why in examples:  # the ports' own flags: checked alike, in one line
         proc = launch([sys.executable, port, flag, value], cwd=folder, check=False)
-        assert proc.returncode == 2 and f"argument {flag}: '{value}' is not a whole number" \
-            in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"argument {flag}: '{value}' {why}" in proc.stderr, proc.stderr
 
 
 def test_a_nan_loss_stops_the_run_before_it_saves(folder, tmp_path):
