@@ -207,7 +207,7 @@ def main():
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = common.make_loader(test_shard, 1000, run, args)
+    test_loader = common.make_loader(test_shard, 1000, run, args, ignore_stop_signals)
 
     raw_model = common.build_model(args, seed=args.seed + run.rank).to(run.device)
     # DDP broadcasts rank 0's weights now and averages gradients in every backward().

@@ -197,7 +197,7 @@ def main():
     # Evaluation must count every test sample exactly once, so no sampler padding here:
     # a strided shard per rank, of unequal sizes when the set does not divide.
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))
-    test_loader = common.make_loader(test_shard, 1000, run, args)
+    test_loader = common.make_loader(test_shard, 1000, run, args, ignore_stop_signals)
 
     # On the meta device a model has shapes and no memory: building it initialises nothing.
     # shard() splits each parameter over the ranks first: to_empty() allocates only this rank's

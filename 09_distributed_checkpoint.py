@@ -361,7 +361,7 @@ def main():
     train_loader = common.make_loader(train_set, plan.per_rank, run, args, sampler=train_sampler,
                                       worker_init_fn=ignore_stop_signals, drop_last=True)
     test_shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))  # as in 03
-    test_loader = common.make_loader(test_shard, 1000, run, args)
+    test_loader = common.make_loader(test_shard, 1000, run, args, ignore_stop_signals)
 
     with torch.device("meta"):  # as in 08b: filled from rank 0's copy
         model = common.build_model(args, seed=args.seed)
