@@ -147,7 +147,10 @@ def test_kill_9_of_a_rank_resumes_to_the_same_weights(folder, uninterrupted_16, 
     assert code == 0, output
     assert resumed in output, output
     assert_same_weights(weights(out), uninterrupted_16[0])
-    assert EPOCH_LINE.findall(output) == uninterrupted_16[1], output
+    printed, expected = EPOCH_LINE.findall(output), uninterrupted_16[1]
+    if every == 100 and "epoch 1:" not in output:  # killed while epoch 1 was evaluated, after
+        expected = expected[1:]  # its checkpoint: the restart begins at epoch 2, that line is lost
+    assert printed == expected, output
 
 
 def test_sigterm_checkpoints_exits_75_and_a_requeue_ends_as_uninterrupted(folder, uninterrupted):
