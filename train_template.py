@@ -356,7 +356,7 @@ def main():
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], device)
-        sums, step, stopping = (sums if done else sums.zero_()), done, False  # (mid-epoch: as saved)
+        sums, step, stopping = (sums if done else sums.zero_()), done, False  # (mid-epoch: saved)
         for micro in batches:
             sums += train_step(model, [to(b, device) for b in micro], optimizer, scheduler,
                                scaler, amp, args.max_norm)
